@@ -1,0 +1,219 @@
+"""gradmon's one configuration dataclass, and the one place that reads environment variables.
+
+Precedence: ``GRADMON_*`` environment variables > keyword arguments to ``attach()`` >
+defaults. The environment wins because it is the operator's lever: a job can be
+reconfigured (or switched off with ``GRADMON_DISABLE=1``) without a code change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+
+LayerType = Union[str, type]
+
+_LABEL_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_RESERVED_LABELS = {"model", "rank", "layer", "tensor", "kind", "stage", "state", "family",
+                    "device", "version", "torch_version", "world_size", "le", "job", "instance"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything ``attach()`` can be told. Each field has a ``GRADMON_<FIELD>`` override."""
+
+    port: int = 9400
+    """TCP port of the /metrics endpoint; 0 picks a free one (see ``Monitor.port``).
+    Under torchrun the local rank is added (``port_offset_by_local_rank``) so that the
+    ranks of one node do not collide. 9400 is not claimed by any well-known exporter."""
+
+    addr: str = "0.0.0.0"
+    """Bind address. All interfaces by default because Prometheus usually scrapes from
+    another host; use 127.0.0.1 to keep the endpoint local."""
+
+    port_offset_by_local_rank: bool = True
+    """Serve on ``port + LOCAL_RANK`` so several ranks on one node each get a port."""
+
+    every: int = 1
+    """Publish per-layer gradient norms every N optimizer steps. The non-finite check,
+    the global-norm histogram and the step counters still run on every step, so a NaN
+    on an unsampled step is never lost."""
+
+    detail_every: int = 10
+    """Measure activation and gradient-flow statistics every N optimizer steps; the
+    hooks are inert in between. They read every activation twice or more, which costs
+    more than the 3% budget on every step (see README's benchmark), so the default
+    samples them; 1 measures them on every step."""
+
+    include: Tuple[str, ...] = ()
+    """Glob patterns (fnmatch) over layer names to monitor; empty means all layers."""
+
+    exclude: Tuple[str, ...] = ()
+    """Glob patterns over layer names to leave out; applied after ``include``."""
+
+    layer_types: Tuple[LayerType, ...] = ()
+    """Module classes (or their class names) to monitor; empty means every layer type."""
+
+    activations: bool = True
+    """Activation RMS / max|x| / non-finite counts from forward hooks."""
+
+    grad_flow: bool = True
+    """Norm and non-finite counts of the gradient with respect to each layer's output."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Constant labels added to every series, e.g. ``{"run_id": "exp-42"}``."""
+
+    name: Optional[str] = None
+    """Value of the ``model`` label; defaults to the model's class name in lower case
+    (made unique within the process when several models are monitored)."""
+
+    registry: Any = None
+    """An existing ``prometheus_client.CollectorRegistry`` to register into instead of
+    starting gradmon's own HTTP server (for apps that already serve /metrics)."""
+
+    disable: bool = False
+    """Kill switch: ``attach()`` registers nothing, starts no thread, returns an inert handle."""
+
+    log_every_incident: bool = False
+    """Log every non-finite incident rather than only the first per layer."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+def _fail(option: str, message: str) -> None:
+    raise ValueError(f"gradmon: option {option!r} {message}")
+
+
+def _validate(cfg: Config) -> None:
+    if not isinstance(cfg.port, int) or isinstance(cfg.port, bool) or not 0 <= cfg.port <= 65535:
+        _fail("port", f"must be an integer in 0..65535 (0 picks a free port), got {cfg.port!r}")
+    try:
+        ipaddress.ip_address(cfg.addr)
+    except ValueError:
+        if not (isinstance(cfg.addr, str) and cfg.addr == "localhost"):
+            _fail("addr", f"must be an IP address such as 0.0.0.0 or 127.0.0.1, got {cfg.addr!r}")
+    for name in ("every", "detail_every"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            _fail(name, f"must be a positive integer number of optimizer steps, got {value!r}")
+    for name in ("include", "exclude"):
+        value = getattr(cfg, name)
+        if not all(isinstance(p, str) and p for p in value):
+            _fail(name, f"must be a sequence of non-empty glob patterns, got {value!r}")
+    for t in cfg.layer_types:
+        if not (isinstance(t, str) and t) and not (isinstance(t, type)):
+            _fail("layer_types", f"entries must be module classes or class names, got {t!r}")
+    for k, v in cfg.labels.items():
+        if not isinstance(k, str) or not k or k[0].isdigit() or not set(k) <= _LABEL_NAME_OK or k.startswith("__"):
+            _fail("labels", f"key {k!r} is not a valid Prometheus label name")
+        if k in _RESERVED_LABELS:
+            _fail("labels", f"key {k!r} is used by gradmon itself; choose another name")
+        if not isinstance(v, str):
+            _fail("labels", f"value of {k!r} must be a string, got {type(v).__name__}")
+    if cfg.name is not None and (not isinstance(cfg.name, str) or not cfg.name):
+        _fail("name", f"must be a non-empty string, got {cfg.name!r}")
+    if cfg.registry is not None and not hasattr(cfg.registry, "register"):
+        _fail("registry", "must be a prometheus_client.CollectorRegistry (or None to serve /metrics)")
+
+
+# --- environment overrides ---------------------------------------------------------
+
+ENV_PREFIX = "GRADMON_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"gradmon: environment variable {name}={raw!r} must be one of 1/0/true/false")
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"gradmon: environment variable {name}={raw!r} must be an integer") from None
+
+
+def _parse_list(name: str, raw: str) -> Tuple[str, ...]:
+    return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+
+def _parse_labels(name: str, raw: str) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for item in _parse_list(name, raw):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"gradmon: environment variable {name} wants key=value pairs, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+_ENV_PARSERS: Dict[str, Callable[[str, str], Any]] = {
+    "port": _parse_int,
+    "addr": lambda n, r: r.strip(),
+    "port_offset_by_local_rank": _parse_bool,
+    "every": _parse_int,
+    "detail_every": _parse_int,
+    "include": _parse_list,
+    "exclude": _parse_list,
+    "layer_types": _parse_list,
+    "activations": _parse_bool,
+    "grad_flow": _parse_bool,
+    "labels": _parse_labels,
+    "name": lambda n, r: r.strip() or None,
+    "disable": _parse_bool,
+    "log_every_incident": _parse_bool,
+}
+
+
+def env_var(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def env_overrides(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The fields that ``GRADMON_*`` variables set, parsed and named by field."""
+    environ = os.environ if environ is None else environ
+    out: Dict[str, Any] = {}
+    for fname, parse in _ENV_PARSERS.items():
+        var = env_var(fname)
+        if var in environ:
+            out[fname] = parse(var, environ[var])
+    return out
+
+
+def resolve(options: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Build the Config for ``attach(**options)``: defaults < options < environment."""
+    known = {f.name for f in fields(Config)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(
+            f"gradmon.attach() got unknown option(s) {unknown}; valid options: {sorted(known)}")
+    merged = dict(options)
+    for key in ("include", "exclude", "layer_types"):
+        if key in merged and isinstance(merged[key], (str, type)):
+            merged[key] = (merged[key],)
+        if key in merged:
+            merged[key] = tuple(merged[key])
+    if "labels" in merged and merged["labels"] is None:
+        merged["labels"] = {}
+    merged.update(env_overrides(environ))
+    return Config(**merged)
+
+
+def is_disabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """The kill switch alone, read without validating anything else."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(env_var("disable"))
+    return raw is not None and raw.strip().lower() in _TRUE
+
+
+def replace(cfg: Config, **changes: Any) -> Config:
+    return dataclasses.replace(cfg, **changes)

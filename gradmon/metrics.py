@@ -1,0 +1,108 @@
+"""The metric contract: every name, type, label set and help string gradmon exports.
+
+This is the one place that decides metric names. The exporter builds its families
+from these specs; README's metrics table, the alert rules and the dashboards are
+checked against them by the tests, so a rename here fails loudly everywhere else.
+Every series additionally carries the constant labels ``model`` and ``rank`` plus
+any user-supplied ``labels``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+PREFIX = "gradmon"
+
+#: Labels every gradmon series carries, before the user's constant labels.
+BASE_LABELS: Tuple[str, ...] = ("model", "rank")
+
+#: Values of the ``tensor`` label of the non-finite counters.
+TENSOR_GRAD = "grad"
+TENSOR_GRAD_FLOW = "grad_flow"
+TENSOR_ACTIVATION = "activation"
+TENSOR_KINDS: Tuple[str, ...] = (TENSOR_GRAD, TENSOR_GRAD_FLOW, TENSOR_ACTIVATION)
+NONFINITE_KINDS: Tuple[str, ...] = ("nan", "inf")
+
+#: Families (the ``family`` label of coverage metrics, and config switches).
+FAMILY_GRAD = "grad"
+FAMILY_GRAD_FLOW = "grad_flow"
+FAMILY_ACTIVATION = "activation"
+FAMILIES: Tuple[str, ...] = (FAMILY_GRAD, FAMILY_GRAD_FLOW, FAMILY_ACTIVATION)
+
+#: Run states exported by ``gradmon_run_state``.
+RUN_STATES: Tuple[str, ...] = ("training", "paused", "finished")
+
+#: Log-spaced buckets for the global-norm histogram: four per decade from 1e-8 to 1e8.
+#: A gauge holding the last value misses a one-step spike between two scrapes; this
+#: cumulative histogram does not.
+GLOBAL_NORM_BUCKETS: Tuple[float, ...] = tuple(
+    float(f"{10 ** (e / 4):.6g}") for e in range(-32, 33)
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    type: str  # "gauge" | "counter" | "histogram" | "info-gauge"
+    labels: Tuple[str, ...]
+    help: str
+
+
+def _spec(name: str, type_: str, labels: Tuple[str, ...], help_: str) -> MetricSpec:
+    return MetricSpec(f"{PREFIX}_{name}", type_, labels, help_)
+
+
+GRAD_NORM = _spec("grad_norm", "gauge", ("layer",),
+                  "L2 norm of the layer's parameter gradients at the last sampled step (pre-clip, accumulated, all-reduced).")
+GRAD_GLOBAL_NORM = _spec("grad_global_norm", "gauge", (),
+                         "L2 norm over all monitored parameter gradients at the last step (pre-clip).")
+GRAD_GLOBAL_NORM_DISTRIBUTION = _spec("grad_global_norm_distribution", "histogram", (),
+                                      "Global gradient norm of every optimizer step, log-bucketed; never reset.")
+GRAD_FLOW_NORM = _spec("grad_flow_norm", "gauge", ("layer",),
+                       "L2 norm of the gradient with respect to the layer's output at the last detail step.")
+ACTIVATION_RMS = _spec("activation_rms", "gauge", ("layer",),
+                       "RMS of the layer's output at the last detail step (training forward passes only).")
+ACTIVATION_ABS_MAX = _spec("activation_abs_max", "gauge", ("layer",),
+                           "Max |x| of the layer's output at the last detail step.")
+NONFINITE = _spec("nonfinite", "counter", ("layer", "tensor", "kind"),
+                  "Non-finite (NaN or Inf) elements seen, by layer, tensor and kind.")
+NONFINITE_STEPS = _spec("nonfinite_steps", "counter", (),
+                        "Optimizer steps in which any monitored tensor held a non-finite element.")
+STEPS = _spec("steps", "counter", (), "Optimizer steps seen since attach.")
+STEP = _spec("step", "gauge", (),
+             "The training's own global step at the last optimizer step (from the optimizer state or monitor.step(n)).")
+LAST_STEP_TIMESTAMP = _spec("last_step_timestamp_seconds", "gauge", (),
+                            "Unix time at which the last optimizer step finished.")
+HOOK_ERRORS = _spec("hook_errors", "counter", ("stage",),
+                    "Exceptions caught inside gradmon, by stage; training carried on.")
+OVERHEAD_SECONDS = _spec("overhead_seconds", "counter", (),
+                         "Wall time gradmon spent on the training thread.")
+INFO = _spec("info", "info-gauge", ("version", "torch_version", "world_size"),
+             "Build and job facts; the value is always 1.")
+RUN_STATE = _spec("run_state", "gauge", ("state",),
+                  "1 for the current run state (training, paused, finished), 0 for the others.")
+UNCOVERED_LAYERS = _spec("uncovered_layers", "gauge", ("family",),
+                         "Monitored layers a family could not observe (e.g. a forward that never runs).")
+PROCESS_RESIDENT_MEMORY = _spec("process_resident_memory_bytes", "gauge", (),
+                                "Resident memory of the training process.")
+PROCESS_CPU_SECONDS = _spec("process_cpu_seconds", "counter", (),
+                            "User and system CPU time of the training process.")
+PROCESS_THREADS = _spec("process_threads", "gauge", (), "Threads of the training process.")
+CUDA_MEMORY_ALLOCATED = _spec("cuda_memory_allocated_bytes", "gauge", ("device",),
+                              "Memory held by tensors on the CUDA device (torch.cuda.memory_allocated).")
+CUDA_MEMORY_RESERVED = _spec("cuda_memory_reserved_bytes", "gauge", ("device",),
+                             "Memory reserved by PyTorch's caching allocator on the CUDA device.")
+
+ALL_SPECS: Tuple[MetricSpec, ...] = tuple(
+    v for v in list(globals().values()) if isinstance(v, MetricSpec)
+)
+
+
+def exposed_names(spec: MetricSpec) -> Tuple[str, ...]:
+    """The sample names a family produces in the text exposition."""
+    if spec.type == "counter":
+        return (spec.name + "_total",)
+    if spec.type == "histogram":
+        return (spec.name + "_bucket", spec.name + "_sum", spec.name + "_count")
+    return (spec.name,)
