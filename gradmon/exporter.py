@@ -1,0 +1,217 @@
+"""Snapshots to Prometheus: a Collector, and the endpoints it is served on.
+
+The collector knows nothing about hooks or tensors. Each monitored model registers an
+``ExportSource`` (a callable returning an :class:`ExportView`: labels plus the latest
+immutable snapshot); at scrape time the collector turns those views into metric
+families. Several models in one process share one collector and one endpoint and are
+told apart by the ``model`` label.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import CollectorRegistry
+
+from . import metrics as M
+from . import process
+from .snapshot import Snapshot
+
+log = logging.getLogger("gradmon")
+
+
+@dataclass(frozen=True)
+class ExportView:
+    labels: Mapping[str, str]  # model, rank, and the user's constant labels
+    snapshot: Snapshot
+    errors: Mapping[str, int]
+    overhead_seconds: float
+    run_state: str
+    info: Mapping[str, str]  # version, torch_version, world_size
+
+
+ExportSource = Callable[[], ExportView]
+
+
+class _Families:
+    """Metric families under construction, one per spec, created on first use."""
+
+    def __init__(self) -> None:
+        self._by_name: Dict[str, Metric] = {}
+
+    def add(self, spec: M.MetricSpec, labels: Mapping[str, str], value: float,
+            suffix: str = "") -> None:
+        metric = self._by_name.get(spec.name)
+        if metric is None:
+            typ = "gauge" if spec.type == "info-gauge" else spec.type
+            metric = self._by_name[spec.name] = Metric(spec.name, spec.help, typ)
+        if not suffix and spec.type == "counter":
+            suffix = "_total"
+        metric.add_sample(spec.name + suffix, dict(labels), float(value))
+
+    def __iter__(self):
+        return iter(self._by_name.values())
+
+
+def _with(labels: Mapping[str, str], **extra: str) -> Dict[str, str]:
+    out = dict(labels)
+    out.update(extra)
+    return out
+
+
+def _fmt_bound(b: float) -> str:
+    return "+Inf" if math.isinf(b) else repr(float(b))
+
+
+def add_view(fam: _Families, view: ExportView) -> None:
+    """Every family one monitored model contributes."""
+    s, base = view.snapshot, view.labels
+    fam.add(M.INFO, _with(base, **view.info), 1)
+    for state in M.RUN_STATES:
+        fam.add(M.RUN_STATE, _with(base, state=state), 1 if state == view.run_state else 0)
+    fam.add(M.STEPS, base, s.steps_total)
+    if s.global_step is not None:
+        fam.add(M.STEP, base, s.global_step)
+    if s.last_step_time is not None:
+        fam.add(M.LAST_STEP_TIMESTAMP, base, s.last_step_time)
+    if s.global_norm is not None:
+        fam.add(M.GRAD_GLOBAL_NORM, base, s.global_norm)
+    for spec, pairs in ((M.GRAD_NORM, s.grad_norm), (M.GRAD_FLOW_NORM, s.grad_flow_norm),
+                        (M.ACTIVATION_RMS, s.activation_rms), (M.ACTIVATION_ABS_MAX, s.activation_abs_max)):
+        for layer, value in pairs:
+            fam.add(spec, _with(base, layer=layer), value)
+    for layer, tensor, kind, count in s.nonfinite:
+        fam.add(M.NONFINITE, _with(base, layer=layer, tensor=tensor, kind=kind), count)
+    fam.add(M.NONFINITE_STEPS, base, s.nonfinite_steps)
+    for bound, cumulative in s.histogram:
+        fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, _with(base, le=_fmt_bound(bound)), cumulative, "_bucket")
+    fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, base, s.histogram_count, "_count")
+    fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, base, s.histogram_sum, "_sum")
+    for stage, count in view.errors.items():
+        fam.add(M.HOOK_ERRORS, _with(base, stage=stage), count)
+    fam.add(M.OVERHEAD_SECONDS, base, view.overhead_seconds)
+    for family, count in s.uncovered:
+        fam.add(M.UNCOVERED_LAYERS, _with(base, family=family), count)
+
+
+class GradmonCollector:
+    """A prometheus_client collector over the export views of every registered model."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sources: Dict[int, Tuple[ExportSource, Callable[[str, BaseException], None]]] = {}
+
+    def add(self, key: int, source: ExportSource, on_error: Callable[[str, BaseException], None]) -> None:
+        with self._lock:
+            self._sources[key] = (source, on_error)
+
+    def remove(self, key: int) -> int:
+        with self._lock:
+            self._sources.pop(key, None)
+            return len(self._sources)
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            sources = list(self._sources.values())
+        fam = _Families()
+        process_labels: Optional[Mapping[str, str]] = None
+        for source, on_error in sources:
+            try:
+                view = source()
+                add_view(fam, view)
+                if process_labels is None:
+                    process_labels = {k: v for k, v in view.labels.items() if k != "model"}
+            except Exception as exc:  # one broken model must not blank the whole scrape
+                on_error("collect", exc)
+        if process_labels is not None:
+            for spec, labels, value in process.samples(process_labels):
+                fam.add(spec, labels, value)
+        return list(fam)
+
+
+# -- endpoints -------------------------------------------------------------------------
+
+ServerFactory = Callable[[CollectorRegistry, str, int], Tuple[int, Callable[[], None]]]
+
+
+def _prometheus_client_server(registry: CollectorRegistry, addr: str, port: int) -> Tuple[int, Callable[[], None]]:
+    from prometheus_client import start_http_server
+
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+
+    def close() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5.0)
+
+    return server.server_address[1], close
+
+
+@dataclass
+class Endpoint:
+    """One served registry (gradmon's own) or one user registry, shared by monitors."""
+
+    key: Tuple[object, ...]
+    registry: CollectorRegistry
+    collector: GradmonCollector
+    addr: Optional[str] = None
+    port: Optional[int] = None
+    close_server: Optional[Callable[[], None]] = None
+    users: int = 0
+
+    @property
+    def url(self) -> Optional[str]:
+        if self.port is None:
+            return None
+        host = "127.0.0.1" if self.addr in ("0.0.0.0", "", None) else self.addr
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}/metrics"
+
+
+_ENDPOINTS: Dict[Tuple[object, ...], Endpoint] = {}
+_ENDPOINTS_LOCK = threading.Lock()
+
+
+def acquire(registry: Optional[CollectorRegistry], addr: str, port: int,
+            server_factory: ServerFactory = _prometheus_client_server) -> Endpoint:
+    """The endpoint for these settings, started on first use. Raises OSError when the
+    port cannot be bound; the caller keeps training without an endpoint."""
+    key: Tuple[object, ...] = ("registry", id(registry)) if registry is not None else ("serve", addr, port)
+    with _ENDPOINTS_LOCK:
+        ep = _ENDPOINTS.get(key)
+        if ep is None:
+            collector = GradmonCollector()
+            if registry is not None:
+                registry.register(collector)
+                ep = Endpoint(key, registry, collector)
+            else:
+                own = CollectorRegistry(auto_describe=False)
+                own.register(collector)
+                bound, close = server_factory(own, addr, port)
+                ep = Endpoint(key, own, collector, addr, bound, close)
+                log.info("gradmon: serving metrics on %s", ep.url)
+            _ENDPOINTS[key] = ep
+        ep.users += 1
+        return ep
+
+
+def release(ep: Endpoint, source_key: int) -> None:
+    """Forget one monitor; the last one out stops the server and frees the port."""
+    with _ENDPOINTS_LOCK:
+        ep.collector.remove(source_key)
+        ep.users -= 1
+        if ep.users > 0:
+            return
+        _ENDPOINTS.pop(ep.key, None)
+    if ep.close_server is not None:
+        ep.close_server()
+    else:
+        try:
+            ep.registry.unregister(ep.collector)
+        except KeyError:
+            pass

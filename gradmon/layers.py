@@ -1,0 +1,105 @@
+"""Which modules are "layers", and which parameters each one owns.
+
+A layer is a module that owns trainable parameters directly (Linear, Conv, Norm,
+Embedding, ...). Containers (Sequential, ModuleList, a user's Block) own none and are
+not layers: their children are. The label of a layer is its qualified name from
+``named_modules()``. A parameter shared by two layers (tied embeddings) belongs to the
+first one in ``named_modules()`` order, so every parameter is counted exactly once in
+the global norm.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Iterable, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .config import Config
+
+ROOT_LABEL = "(root)"
+
+
+@dataclass(frozen=True)
+class Layer:
+    index: int
+    name: str
+    module: nn.Module
+    params: Tuple[nn.Parameter, ...]
+    """Trainable parameters this layer owns and no earlier layer already claimed."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose names users know: DDP/FSDP1 wrappers and torch.compile's
+    OptimizedModule prefix every name with ``module.``/``_orig_mod.``."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+            continue
+        if type(model).__name__ in ("DistributedDataParallel", "DataParallel",
+                                    "FullyShardedDataParallel") and isinstance(
+                getattr(model, "module", None), nn.Module):
+            model = model.module
+            continue
+        break
+    return model
+
+
+def _type_matches(module: nn.Module, wanted: Sequence[object]) -> bool:
+    if not wanted:
+        return True
+    for t in wanted:
+        if isinstance(t, type) and isinstance(module, t):
+            return True
+        if isinstance(t, str) and any(c.__name__ == t for c in type(module).__mro__):
+            return True
+    return False
+
+
+def _check_type_names(model: nn.Module, wanted: Iterable[object]) -> None:
+    known = {c.__name__ for m in model.modules() for c in type(m).__mro__}
+    known |= {name for name, obj in vars(nn).items() if isinstance(obj, type)}
+    for t in wanted:
+        if isinstance(t, str) and t not in known:
+            present = sorted({type(m).__name__ for m in model.modules()
+                              if any(p.requires_grad for p in m.parameters(recurse=False))})
+            raise ValueError(
+                f"gradmon: option 'layer_types' names unknown layer type {t!r}; "
+                f"layer types with trainable parameters in this model: {present}")
+
+
+def _name_selected(name: str, cfg: Config) -> bool:
+    if cfg.include and not any(fnmatch.fnmatchcase(name, p) for p in cfg.include):
+        return False
+    return not any(fnmatch.fnmatchcase(name, p) for p in cfg.exclude)
+
+
+def discover(model: nn.Module, cfg: Config) -> List[Layer]:
+    """The monitored layers of ``model``, in ``named_modules()`` (roughly forward) order."""
+    _check_type_names(model, cfg.layer_types)
+    claimed: set = set()
+    layers: List[Layer] = []
+    for qname, module in model.named_modules():
+        own = [p for p in module._parameters.values() if p is not None and p.requires_grad]
+        if not own:
+            continue  # a container, or a frozen layer
+        unclaimed = tuple(p for p in own if id(p) not in claimed)
+        claimed.update(id(p) for p in own)
+        name = qname or ROOT_LABEL
+        if not (_name_selected(name, cfg) and _type_matches(module, cfg.layer_types)):
+            continue
+        layers.append(Layer(len(layers), name, module, unclaimed))
+    return layers
+
+
+def has_trainable_parameters(model: nn.Module) -> bool:
+    return any(p.requires_grad for p in model.parameters())
+
+
+def is_floating(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided

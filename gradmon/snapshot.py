@@ -1,0 +1,333 @@
+"""Per-step packets in, immutable snapshots out: the host side of the data path.
+
+The training thread hands one :class:`StepPacket` per optimizer step to the
+:class:`Publisher`'s queue and goes on. The publisher thread waits for the packet's
+device-to-host copy, folds it into cumulative state (:class:`Aggregator`: counters that
+never reset, the last value of each gauge, the global-norm histogram) and publishes a
+fresh immutable :class:`Snapshot`. The exporter only ever reads snapshots.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+
+from . import metrics as M
+from .errors import ErrorLog
+
+log = logging.getLogger("gradmon")
+
+
+@dataclass(frozen=True)
+class StepPacket:
+    """What one optimizer step measured, still in the packed device layout.
+
+    ``data`` holds, in order: 3*P values (sum of squares, NaN, Inf per parameter
+    gradient listed in ``grad_params``), 2*R activation floats and 2*R activation counts
+    (one pair per entry of ``act_meta``), Q grad-flow sums of squares and 2*Q counts
+    (one per entry of ``flow_meta``).
+    """
+
+    index: int
+    global_step: int
+    time: float
+    data: object = None  # a host tensor, valid once ``event`` has completed
+    event: object = None
+    grad_params: Tuple[int, ...] = ()
+    act_meta: Tuple[Tuple[int, int], ...] = ()  # (layer index, numel) per forward call
+    flow_meta: Tuple[int, ...] = ()  # layer index per grad-flow hook call
+    sampled: bool = True
+    detail: bool = False
+
+
+@dataclass(frozen=True)
+class GlobalStepUpdate:
+    """``monitor.step(n)`` after the optimizer already published the step: relabel it."""
+
+    global_step: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    generation: int = 0
+    steps_total: int = 0
+    global_step: Optional[int] = None
+    last_step_time: Optional[float] = None
+    global_norm: Optional[float] = None
+    grad_norm: Tuple[Tuple[str, float], ...] = ()
+    grad_flow_norm: Tuple[Tuple[str, float], ...] = ()
+    activation_rms: Tuple[Tuple[str, float], ...] = ()
+    activation_abs_max: Tuple[Tuple[str, float], ...] = ()
+    nonfinite: Tuple[Tuple[str, str, str, int], ...] = ()  # layer, tensor, kind, count
+    nonfinite_steps: int = 0
+    histogram: Tuple[Tuple[float, int], ...] = ()  # (upper bound, cumulative count), +Inf last
+    histogram_sum: float = 0.0
+    histogram_count: int = 0
+    uncovered: Tuple[Tuple[str, int], ...] = ()  # family, layers it cannot observe
+    coverage: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
+
+
+def _merge_max(a: float, b: float) -> float:
+    # max() drops NaN depending on argument order; a NaN activation must stay visible.
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a if a >= b else b
+
+
+class Aggregator:
+    """Cumulative state of one monitor. Used only by the publisher thread."""
+
+    def __init__(self, layer_names: Sequence[str], param_layer: Sequence[int],
+                 families: Sequence[str], model: str) -> None:
+        self.layer_names = tuple(layer_names)
+        self.param_layer = tuple(param_layer)
+        self.families = tuple(families)  # enabled families
+        self._model = model
+        n = len(self.layer_names)
+        tensors = [M.TENSOR_GRAD] + [f for f in (M.TENSOR_GRAD_FLOW, M.TENSOR_ACTIVATION) if f in families]
+        self.nonfinite: Dict[str, List[List[int]]] = {t: [[0, 0] for _ in range(n)] for t in tensors}
+        self.steps_total = 0
+        self.global_step: Optional[int] = None
+        self.last_step_time: Optional[float] = None
+        self.global_norm: Optional[float] = None
+        self.nonfinite_steps = 0
+        self.grad_norm: List[Optional[float]] = [None] * n
+        self.grad_flow_norm: List[Optional[float]] = [None] * n
+        self.activation_rms: List[Optional[float]] = [None] * n
+        self.activation_abs_max: List[Optional[float]] = [None] * n
+        self.bounds = M.GLOBAL_NORM_BUCKETS
+        self.bucket_counts = [0] * (len(self.bounds) + 1)  # last one is +Inf
+        self.hist_sum = 0.0
+        self.hist_count = 0
+        self.seen: Dict[str, set] = {f: set() for f in M.FAMILIES}
+        self.detail_backward_steps = 0
+        self._gaps_logged = False
+        self.generation = 0
+
+    # -- folding -------------------------------------------------------------------
+
+    def fold(self, packet: StepPacket) -> None:
+        # Count the step before parsing anything: a packet that fails to parse must
+        # still be a step, or rate(gradmon_steps_total) would lie.
+        self.steps_total += 1
+        self.global_step = packet.global_step
+        self.last_step_time = packet.time
+        if packet.data is None:
+            return
+        values: List[float] = packet.data.tolist()
+        any_bad = self._fold_grads(packet, values)
+        offset = 3 * len(packet.grad_params)
+        any_bad |= self._fold_activations(packet.act_meta, values, offset)
+        offset += 4 * len(packet.act_meta)
+        any_bad |= self._fold_grad_flow(packet.flow_meta, values, offset)
+        if any_bad:
+            self.nonfinite_steps += 1
+        if packet.detail and packet.grad_params:
+            self.detail_backward_steps += 1
+            self._log_gaps_once()
+
+    def _count(self, tensor: str, layer: int, nan: float, inf: float) -> bool:
+        if nan or inf:
+            cell = self.nonfinite[tensor][layer]
+            cell[0] += int(nan)
+            cell[1] += int(inf)
+            return True
+        return False
+
+    def _fold_grads(self, packet: StepPacket, v: List[float]) -> bool:
+        p = len(packet.grad_params)
+        if not p:
+            return False
+        layer_sq: Dict[int, float] = {}
+        bad = False
+        for j, param in enumerate(packet.grad_params):
+            layer = self.param_layer[param]
+            layer_sq[layer] = layer_sq.get(layer, 0.0) + v[j]
+            bad |= self._count(M.TENSOR_GRAD, layer, v[p + j], v[2 * p + j])
+        self.seen[M.FAMILY_GRAD].update(layer_sq)
+        norm = math.sqrt(sum(layer_sq.values()))
+        self.global_norm = norm
+        self._observe(norm)
+        if packet.sampled:
+            for layer, sq in layer_sq.items():
+                self.grad_norm[layer] = math.sqrt(sq)
+        return bad
+
+    def _fold_activations(self, meta: Sequence[Tuple[int, int]], v: List[float], o: int) -> bool:
+        if not meta:
+            return False
+        r = len(meta)
+        acc: Dict[int, List[float]] = {}
+        bad = False
+        for k, (layer, numel) in enumerate(meta):
+            sq, amax = v[o + 2 * k], v[o + 2 * k + 1]
+            a = acc.setdefault(layer, [0.0, 0, 0.0])
+            a[0] += sq
+            a[1] += numel
+            a[2] = _merge_max(a[2], amax)
+            bad |= self._count(M.TENSOR_ACTIVATION, layer, v[o + 2 * r + 2 * k], v[o + 2 * r + 2 * k + 1])
+        for layer, (sq, numel, amax) in acc.items():
+            self.activation_rms[layer] = math.sqrt(sq / numel) if numel else 0.0
+            self.activation_abs_max[layer] = amax
+        self.seen[M.FAMILY_ACTIVATION].update(acc)
+        return bad
+
+    def _fold_grad_flow(self, meta: Sequence[int], v: List[float], o: int) -> bool:
+        if not meta:
+            return False
+        q = len(meta)
+        acc: Dict[int, float] = {}
+        bad = False
+        for k, layer in enumerate(meta):
+            acc[layer] = acc.get(layer, 0.0) + v[o + k]
+            bad |= self._count(M.TENSOR_GRAD_FLOW, layer, v[o + q + 2 * k], v[o + q + 2 * k + 1])
+        for layer, sq in acc.items():
+            self.grad_flow_norm[layer] = math.sqrt(sq)
+        self.seen[M.FAMILY_GRAD_FLOW].update(acc)
+        return bad
+
+    def _observe(self, norm: float) -> None:
+        # A non-finite norm is already counted by the non-finite counters; observing it
+        # would turn _sum into Inf/NaN for the rest of the process.
+        if not math.isfinite(norm):
+            return
+        self.bucket_counts[bisect.bisect_left(self.bounds, norm)] += 1
+        self.hist_sum += norm
+        self.hist_count += 1
+
+    # -- coverage ------------------------------------------------------------------
+
+    def coverage(self) -> Dict[str, FrozenSet[str]]:
+        return {name: frozenset(f for f in M.FAMILIES if i in self.seen[f])
+                for i, name in enumerate(self.layer_names)}
+
+    def uncovered(self) -> Dict[str, int]:
+        """Layers each enabled family has not observed, once there is evidence to judge:
+        the grad family after one step with gradients, the others after one detail step."""
+        n = len(self.layer_names)
+        out = {}
+        if self.steps_total:
+            out[M.FAMILY_GRAD] = n - len(self.seen[M.FAMILY_GRAD])
+        for f in (M.FAMILY_GRAD_FLOW, M.FAMILY_ACTIVATION):
+            if f in self.families:
+                out[f] = n - len(self.seen[f]) if self.detail_backward_steps else 0
+        return out
+
+    def _log_gaps_once(self) -> None:
+        if self._gaps_logged:
+            return
+        self._gaps_logged = True
+        gaps = [f"{name} ({', '.join(f for f in self.families if f not in fams)})"
+                for name, fams in self.coverage().items()
+                if any(f not in fams for f in self.families)]
+        if gaps:
+            log.warning("gradmon[%s]: %d layer(s) not fully observable, reported in "
+                        "gradmon_uncovered_layers and Monitor.coverage(): %s", self._model,
+                        len(gaps), "; ".join(gaps[:20]) + (" ..." if len(gaps) > 20 else ""))
+
+    # -- snapshot ------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        self.generation += 1
+        names = self.layer_names
+
+        def pairs(values: Sequence[Optional[float]]) -> Tuple[Tuple[str, float], ...]:
+            return tuple((names[i], x) for i, x in enumerate(values) if x is not None)
+
+        nonfinite = tuple((names[i], tensor, kind, cell[k])
+                          for tensor, cells in self.nonfinite.items()
+                          for i, cell in enumerate(cells)
+                          for k, kind in enumerate(M.NONFINITE_KINDS))
+        cumulative, running = [], 0
+        for bound, count in zip(list(self.bounds) + [math.inf], self.bucket_counts):
+            running += count
+            cumulative.append((bound, running))
+        return Snapshot(
+            generation=self.generation, steps_total=self.steps_total,
+            global_step=self.global_step, last_step_time=self.last_step_time,
+            global_norm=self.global_norm, grad_norm=pairs(self.grad_norm),
+            grad_flow_norm=pairs(self.grad_flow_norm), activation_rms=pairs(self.activation_rms),
+            activation_abs_max=pairs(self.activation_abs_max), nonfinite=nonfinite,
+            nonfinite_steps=self.nonfinite_steps, histogram=tuple(cumulative),
+            histogram_sum=self.hist_sum, histogram_count=self.hist_count,
+            uncovered=tuple(sorted(self.uncovered().items())), coverage=self.coverage())
+
+
+_STOP = object()
+
+
+class _Flush:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class Publisher:
+    """The thread between the training thread and the exporter."""
+
+    def __init__(self, aggregator: Aggregator, errors: ErrorLog,
+                 on_snapshot: Callable[[Snapshot], None], name: str) -> None:
+        self._agg = aggregator
+        self._errors = errors
+        self._on_snapshot = on_snapshot
+        self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"gradmon-publisher-{name}", daemon=True)
+        on_snapshot(aggregator.snapshot())  # every counter exists at 0 from attach() on
+        self._thread.start()
+
+    def put(self, item: object) -> None:
+        self._queue.put(item)
+
+    def flush(self, timeout: float) -> bool:
+        if not self._thread.is_alive():
+            return False
+        token = _Flush()
+        self._queue.put(token)
+        return token.done.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            try:
+                while True:
+                    batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            stop = False
+            flushes = []
+            for item in batch:
+                if item is _STOP:
+                    stop = True
+                elif isinstance(item, _Flush):
+                    flushes.append(item)
+                else:
+                    self._fold(item)
+            try:
+                self._on_snapshot(self._agg.snapshot())
+            except Exception as exc:  # pragma: no cover - snapshot building is plain Python
+                self._errors.record("publish", exc)
+            for token in flushes:
+                token.done.set()
+            if stop:
+                return
+
+    def _fold(self, item: object) -> None:
+        try:
+            if isinstance(item, GlobalStepUpdate):
+                self._agg.global_step = item.global_step
+                return
+            event = getattr(item, "event", None)
+            if event is not None:
+                event.synchronize()
+            self._agg.fold(item)  # type: ignore[arg-type]
+        except Exception as exc:
+            self._errors.record("publish", exc)

@@ -1,0 +1,116 @@
+"""On-device statistics: small reductions launched from hooks, and the one per-step packet.
+
+Nothing here reads a value on the host. Every function returns device tensors; the
+only device-to-host transfer is :func:`to_host`, once per optimizer step, and on CUDA
+it is asynchronous (pinned buffer, ``non_blocking``, an event waited on by the
+publisher thread, never by the training thread).
+
+Values are shipped as float64 so that element counts stay exact far beyond float32's
+2**24 (a 100M-element gradient that is all NaN must count 100M).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _ship_dtype(device: torch.device) -> torch.dtype:
+    # MPS has no float64; counts there are exact only below 2**24 per tensor.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _counts(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return torch.isnan(t).sum(), torch.isinf(t).sum()
+
+
+def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [sum of squares, max|x|], int64 [nan, inf]) of one layer output."""
+    x = x.detach()
+    norm = torch.linalg.vector_norm(x, 2, dtype=torch.float32)
+    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+    nan, inf = _counts(x)
+    return torch.stack((norm * norm, amax)), torch.stack((nan, inf))
+
+
+def grad_flow_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [sum of squares], int64 [nan, inf]) of the gradient w.r.t. one output."""
+    norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
+    nan, inf = _counts(g)
+    return (norm * norm).reshape(1), torch.stack((nan, inf))
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    # Sparse gradients (nn.Embedding(sparse=True)) carry duplicate indices until
+    # coalesced; their values hold every element that is not an implicit zero.
+    return g.coalesce().values() if g.is_sparse else g
+
+
+def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """(a (3, n) tensor on ``home``, column order): rows are sum of squares, NaN count,
+    Inf count; column j describes ``grads[order[j]]``.
+
+    The norms go through ``torch._foreach_norm`` (one multi-tensor kernel per device and
+    dtype rather than one per parameter); fp16/bf16 gradients are reduced in float32 so
+    that a large but finite norm does not overflow to Inf. Columns come grouped by
+    device and the host undoes the grouping, because scattering them back on the device
+    would need an index tensor copied from the host.
+    """
+    by_group: Dict[Tuple[torch.device, torch.dtype], List[int]] = defaultdict(list)
+    dense = [_dense(g) for g in grads]
+    for i, g in enumerate(dense):
+        by_group[(g.device, g.dtype)].append(i)
+    ship = _ship_dtype(home)
+    blocks: List[torch.Tensor] = []
+    order: List[int] = []
+    for (_device, dtype), idx in by_group.items():
+        group = [dense[i] for i in idx]
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW_PRECISION else None)
+        sq = torch.stack(norms).to(ship).square()
+        nan = torch.stack([torch.isnan(g).sum() for g in group])
+        inf = torch.stack([torch.isinf(g).sum() for g in group])
+        blocks.append(torch.stack((sq, nan.to(ship), inf.to(ship))).to(home, non_blocking=True))
+        order.extend(idx)
+    stats = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+    return stats, tuple(order)
+
+
+def pack(parts: Sequence[torch.Tensor], home: torch.device) -> torch.Tensor:
+    """One flat vector on ``home`` of every part, in order (the step's only packet)."""
+    ship = _ship_dtype(home)
+    flat = [p.reshape(-1).to(device=home, dtype=ship, non_blocking=True) for p in parts if p.numel()]
+    if not flat:
+        return torch.empty(0, dtype=ship, device=home)
+    return torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+
+
+def stack_records(records: Sequence[torch.Tensor], home: torch.device) -> torch.Tensor:
+    """Stack per-call records (possibly on several devices) into one tensor on ``home``."""
+    if not records:
+        return torch.empty(0, device=home)
+    devices = {r.device for r in records}
+    if len(devices) > 1:
+        records = [r.to(home, non_blocking=True) for r in records]
+    return torch.stack(list(records))
+
+
+def to_host(packet: torch.Tensor) -> Tuple[torch.Tensor, Optional[object]]:
+    """Start the packet's transfer to host memory; return (host tensor, event or None).
+
+    The caller must not read the host tensor before ``event.synchronize()``. CPU packets
+    are already host memory. Devices without events (MPS, XLA) copy synchronously,
+    which is once per step, not per layer.
+    """
+    if packet.device.type == "cpu":
+        return packet, None
+    if packet.device.type == "cuda":
+        host = torch.empty(packet.shape, dtype=packet.dtype, pin_memory=True)
+        host.copy_(packet, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+    return packet.to("cpu"), None
