@@ -191,10 +191,10 @@ class Recorder:
         t0 = perf_counter()
         try:
             self._measure_grads()
-            self._fresh_backward = True
         except Exception as exc:
             self.errors.record("backward", exc)
         finally:
+            self._fresh_backward = True  # even if measuring failed: the step must still count
             self.overhead += perf_counter() - t0
 
     def _measure_grads(self) -> None:
@@ -232,8 +232,8 @@ class Recorder:
             # now, after any clipping. Only for the first optimizer, so that a second
             # optimizer over the same model does not count the step twice.
             if not self._fresh_backward and self._primary is not None and self._primary() is opt:
+                self._fresh_backward = True
                 self._measure_grads()
-                self._fresh_backward = self._grad is not None
         except Exception as exc:
             self.errors.record("step", exc)
         finally:

@@ -1,0 +1,276 @@
+"""attach()/detach(): validation, kill switch, sharing, leaks, failure to bind (issue 2)."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import urllib.error
+import urllib.request
+import weakref
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from torch import nn
+
+import gradmon
+from conftest import parse, scrape, value
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def train(model: nn.Module, steps: int = 2) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def hook_state(model: nn.Module):
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+             len(getattr(m, "_backward_pre_hooks", {}))) for m in model.modules()] + [
+        len(p._backward_hooks or {}) if hasattr(p, "_backward_hooks") else 0 for p in model.parameters()]
+
+
+def optimizer_hook_count() -> int:
+    from torch.optim import optimizer
+    return len(optimizer._global_optimizer_pre_hooks) + len(optimizer._global_optimizer_post_hooks)
+
+
+# -- bad input at attach() time ------------------------------------------------------------
+
+def test_not_a_module_is_a_type_error():
+    with pytest.raises(TypeError, match="expects a torch.nn.Module"):
+        gradmon.attach(lambda x: x)
+
+
+def test_no_trainable_parameters_is_a_value_error():
+    model = mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        gradmon.attach(model)
+
+
+@pytest.mark.parametrize("options, option", [
+    ({"every": -1}, "every"), ({"every": 0}, "every"), ({"detail_every": 1.5}, "detail_every"),
+    ({"port": 70000}, "port"), ({"port": -1}, "port"), ({"addr": "not an address"}, "addr"),
+    ({"labels": {"model": "x"}}, "labels"), ({"labels": {"bad-name": "x"}}, "labels"),
+    ({"include": [""]}, "include"),
+])
+def test_invalid_option_values_name_the_option(options, option):
+    with pytest.raises(ValueError, match=f"'{option}'"):
+        gradmon.attach(mlp(), **options)
+
+
+def test_unknown_layer_type_is_a_value_error_listing_the_known_ones():
+    with pytest.raises(ValueError, match="unknown layer type 'Linaer'.*Linear"):
+        gradmon.attach(mlp(), layer_types=["Linaer"])
+
+
+def test_unknown_option_is_a_type_error():
+    with pytest.raises(TypeError, match="unknown option"):
+        gradmon.attach(mlp(), prot=9400)
+
+
+def test_filters_that_match_nothing_are_a_value_error():
+    with pytest.raises(ValueError, match="no layer matches"):
+        gradmon.attach(mlp(), include=["encoder.*"])
+
+
+def test_bad_environment_value_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("GRADMON_EVERY", "often")
+    with pytest.raises(ValueError, match="GRADMON_EVERY"):
+        gradmon.attach(mlp())
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+def test_environment_overrides_keyword_options(monkeypatch, attach):
+    monkeypatch.setenv("GRADMON_DETAIL_EVERY", "7")
+    monkeypatch.setenv("GRADMON_LABELS", "run_id=exp-42,team=llm")
+    monkeypatch.setenv("GRADMON_EXCLUDE", "2")
+    mon = attach(mlp(), detail_every=1)
+    assert mon.config.detail_every == 7
+    assert mon.layers == ("0",)
+    s = scrape(mon.url)
+    assert value(s, "gradmon_steps_total", run_id="exp-42", team="llm") == 0
+
+
+def test_include_exclude_and_layer_types_select_layers(attach):
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    assert attach(model, layer_types=["LayerNorm"]).layers == ("1",)
+
+
+def test_kill_switch_registers_nothing_and_starts_no_thread(monkeypatch):
+    monkeypatch.setenv("GRADMON_DISABLE", "1")
+    model = mlp()
+    before_hooks, before_threads = hook_state(model), threading.active_count()
+    before_opt = optimizer_hook_count()
+    mon = gradmon.attach(model, port=0)
+    train(model)
+    assert mon.state == "disabled" and mon.url is None
+    assert hook_state(model) == before_hooks
+    assert optimizer_hook_count() == before_opt
+    assert threading.active_count() == before_threads
+    mon.step()
+    mon.detach()
+    with gradmon.attach(model):
+        pass
+
+
+# -- sharing and identity ------------------------------------------------------------------------
+
+def test_two_models_share_one_endpoint_told_apart_by_model_label(attach):
+    gen, disc = mlp(), nn.Sequential(nn.Linear(2, 1))
+    g = attach(gen, name="generator")
+    d = attach(disc, name="discriminator")
+    assert g.url == d.url
+    train(gen, 2)
+    g.flush()
+    s = scrape(g.url)
+    assert value(s, "gradmon_steps_total", model="generator") == 2
+    assert value(s, "gradmon_steps_total", model="discriminator") == 0
+
+
+def test_default_model_names_are_unique(attach):
+    a, b = attach(mlp()), attach(mlp())
+    assert (a.name, b.name) == ("sequential", "sequential-2")
+
+
+def test_attaching_twice_returns_the_same_handle_and_never_doubles_hooks(attach):
+    model = mlp()
+    first = attach(model)
+    hooks = hook_state(model)
+    assert attach(model) is first
+    assert hook_state(model) == hooks
+    with pytest.raises(ValueError, match="already monitored"):
+        gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=5)
+
+
+def test_existing_registry_gets_the_metrics_and_no_server_starts():
+    registry = CollectorRegistry()
+    model = mlp()
+    threads = threading.active_count()
+    with gradmon.attach(model, registry=registry) as mon:
+        assert mon.url is None and mon.state == "running"
+        train(model, 3)
+        mon.flush()
+        body = generate_latest(registry).decode()
+        assert value(parse(body), "gradmon_steps_total") == 3
+        assert threading.active_count() == threads + 1  # the publisher only
+    assert "gradmon_steps_total" not in generate_latest(registry).decode()
+
+
+# -- detach ----------------------------------------------------------------------------------------
+
+def test_detach_is_idempotent_restores_hooks_and_frees_the_port():
+    model = mlp()
+    before = hook_state(model)
+    before_opt = optimizer_hook_count()
+    mon = gradmon.attach(model, port=0, addr="127.0.0.1")
+    port = mon.port
+    assert hook_state(model) != before
+    mon.detach()
+    mon.detach()
+    assert mon.state == "detached"
+    assert hook_state(model) == before
+    assert optimizer_hook_count() == before_opt
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free again
+    train(model)  # the model trains on, untouched
+
+
+def test_hundred_attach_detach_cycles_leak_nothing():
+    model = mlp()
+    threads = threading.active_count()
+    hooks = hook_state(model)
+    for _ in range(100):
+        with gradmon.attach(model, port=0, addr="127.0.0.1") as mon:
+            train(model, 1)
+            mon.flush()
+    assert threading.active_count() == threads
+    assert hook_state(model) == hooks
+    ref = weakref.ref(model)
+    del model, mon
+    gc.collect()
+    assert ref() is None, "gradmon kept the model alive"
+
+
+def test_a_taken_port_keeps_training_and_says_so(caplog):
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        model = mlp()
+        with gradmon.attach(model, port=port, addr="127.0.0.1") as mon:
+            assert mon.state == "server_failed"
+            assert str(port) in mon.error
+            train(model, 2)  # no exception reaches training
+            mon.flush()
+            assert mon.snapshot().steps_total == 2
+        assert "training continues" in caplog.text
+
+
+def test_context_manager_detaches_on_error():
+    model = mlp()
+    with pytest.raises(RuntimeError):
+        with gradmon.attach(model, port=0, addr="127.0.0.1") as mon:
+            raise RuntimeError("user code failed")
+    assert mon.state == "detached"
+
+
+# -- errors inside gradmon ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target, stage", [
+    ("activation_record", "forward"),
+    ("grad_flow_record", "grad_flow"),
+    ("param_grad_stats", "backward"),
+    ("pack", "step"),
+])
+def test_errors_inside_hooks_are_counted_logged_once_and_never_raised(monkeypatch, attach, caplog, target, stage):
+    from gradmon import stats
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(stats, target, boom)
+    model = mlp()
+    mon = attach(model, detail_every=1)
+    train(model, 3)  # must not raise
+    mon.flush()
+    s = scrape(mon.url)
+    assert value(s, "gradmon_hook_errors_total", stage=stage) >= 3
+    assert value(s, "gradmon_steps_total") == 3  # no step lost
+    assert caplog.text.count(f"error in {stage} stage") == 1
+
+
+def test_collector_error_is_counted_and_the_scrape_still_works(attach, monkeypatch):
+    from gradmon import exporter
+    model = mlp()
+    mon = attach(model)
+    other = attach(nn.Sequential(nn.Linear(2, 2)), name="other")
+    real = exporter.add_view
+
+    def flaky(fam, view):
+        if view.labels["model"] == "other":
+            raise RuntimeError("injected")
+        real(fam, view)
+
+    monkeypatch.setattr(exporter, "add_view", flaky)
+    s = scrape(mon.url)
+    assert value(s, "gradmon_steps_total", model="sequential") == 0
+    monkeypatch.setattr(exporter, "add_view", real)
+    assert value(scrape(mon.url), "gradmon_hook_errors_total", model="other", stage="collect") == 1
+
+
+def test_process_metrics_do_not_collide_with_prometheus_client_process_collector():
+    from prometheus_client import ProcessCollector
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    with gradmon.attach(mlp(), registry=registry):
+        body = generate_latest(registry).decode()
+    assert "gradmon_process_resident_memory_bytes" in body
+    assert "\nprocess_resident_memory_bytes" in body
