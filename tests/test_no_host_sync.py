@@ -1,0 +1,105 @@
+"""gradmon launches reductions; it never reads a device value on the training thread (issue 2.4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradmon
+
+# Ops that force the host to wait for the device: reading a scalar (item(), bool(t),
+# float(t) all land in _local_scalar_dense), data-dependent output shapes, equality
+# returning a Python bool, and copies from a device to the host.
+SYNC_OPS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+}
+
+
+class RaiseOnSync(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNC_OPS or func.overloadpacket in {f.overloadpacket for f in SYNC_OPS}:
+            raise AssertionError(f"host sync: {func}")
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_):
+            src = args[1] if func.overloadpacket is torch.ops.aten.copy_ else args[0]
+            dst = kwargs.get("device") if func.overloadpacket is torch.ops.aten._to_copy else args[0].device
+            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None \
+                    and torch.device(dst).type == "cpu":
+                raise AssertionError(f"device-to-host copy: {func}")
+        return func(*args, **kwargs)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 8, 3, padding=1)
+        self.norm = nn.LayerNorm(8)
+        self.lstm = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.relu_(self.conv(x)).transpose(1, 2)
+        h, _ = self.lstm(self.norm(h))
+        return self.head(h)
+
+
+def train_steps(model, opt, steps, device):
+    for _ in range(steps):
+        for _micro in range(2):
+            model(torch.randn(4, 3, 5, device=device)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_dispatch_mode_catches_an_item_call():
+    with pytest.raises(AssertionError, match="host sync"):
+        with RaiseOnSync():
+            torch.ones(2).sum().item()
+
+
+def test_hooked_forward_backward_and_step_never_sync_on_cpu():
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    train_steps(model, opt, 1, "cpu")  # the unmonitored loop itself is sync-free
+    with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1) as mon:
+        with RaiseOnSync():
+            train_steps(model, opt, 3, "cpu")
+        assert mon.flush()
+        snap = mon.snapshot()
+        errors = mon._errors.counts()
+    assert snap.steps_total == 3
+    assert sum(errors.values()) == 0, errors
+    assert {f for fams in snap.coverage.values() for f in fams} == {"grad", "grad_flow", "activation"}
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device: checks real device-to-host syncs "
+                                       "with torch.cuda.set_sync_debug_mode('error')")
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_no_host_sync_on_cuda_under_sync_debug_mode_error():
+    torch.manual_seed(0)
+    model = Model().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    train_steps(model, opt, 1, "cuda")
+    with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1) as mon:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with RaiseOnSync():
+                train_steps(model, opt, 3, "cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert mon.flush()
+        assert mon.snapshot().steps_total == 3
+        assert sum(mon._errors.counts().values()) == 0
