@@ -11,12 +11,14 @@ Values are shipped as float64 so that element counts stay exact far beyond float
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_ZERO_COUNTS = torch.zeros(2, dtype=torch.int64)  # CPU only: see _host_says_finite
 
 
 def _ship_dtype(device: torch.device) -> torch.dtype:
@@ -24,8 +26,24 @@ def _ship_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _counts(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    return torch.isnan(t).sum(), torch.isinf(t).sum()
+def _counts(t: torch.Tensor) -> torch.Tensor:
+    return torch.stack((torch.isnan(t).sum(), torch.isinf(t).sum()))
+
+
+def _host_says_finite(norms: torch.Tensor) -> bool:
+    """Whether counting can be skipped because every norm is finite.
+
+    A NaN element makes an L2 norm NaN and an Inf element makes it Inf (or NaN), so a
+    finite norm proves the tensor finite. Exact counts cost two more passes over the
+    data, ten times the norm itself. Only a CPU norm is looked at: it is host memory
+    already, so reading it waits for nothing (``tolist`` does not even dispatch). On
+    an accelerator the answer is always False and the counts are computed on the
+    device every step, because looking would be a host sync.
+    """
+    if norms.device.type != "cpu":
+        return False
+    values = norms.tolist()
+    return all(map(math.isfinite, values if isinstance(values, list) else [values]))
 
 
 def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -33,15 +51,15 @@ def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     x = x.detach()
     norm = torch.linalg.vector_norm(x, 2, dtype=torch.float32)
     amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
-    nan, inf = _counts(x)
-    return torch.stack((norm * norm, amax)), torch.stack((nan, inf))
+    counts = _ZERO_COUNTS if _host_says_finite(norm) else _counts(x)
+    return torch.stack((norm * norm, amax)), counts
 
 
 def grad_flow_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(float32 [sum of squares], int64 [nan, inf]) of the gradient w.r.t. one output."""
     norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
-    nan, inf = _counts(g)
-    return (norm * norm).reshape(1), torch.stack((nan, inf))
+    counts = _ZERO_COUNTS if _host_says_finite(norm) else _counts(g)
+    return (norm * norm).reshape(1), counts
 
 
 def _dense(g: torch.Tensor) -> torch.Tensor:
@@ -69,11 +87,12 @@ def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple
     order: List[int] = []
     for (_device, dtype), idx in by_group.items():
         group = [dense[i] for i in idx]
-        norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW_PRECISION else None)
-        sq = torch.stack(norms).to(ship).square()
-        nan = torch.stack([torch.isnan(g).sum() for g in group])
-        inf = torch.stack([torch.isinf(g).sum() for g in group])
-        blocks.append(torch.stack((sq, nan.to(ship), inf.to(ship))).to(home, non_blocking=True))
+        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW_PRECISION else None))
+        if _host_says_finite(norms):
+            counts = torch.zeros((2, len(group)), dtype=ship, device=norms.device)
+        else:
+            counts = torch.stack([_counts(g) for g in group], dim=1).to(ship)
+        blocks.append(torch.cat((norms.to(ship).square().unsqueeze(0), counts)).to(home, non_blocking=True))
         order.extend(idx)
     stats = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
     return stats, tuple(order)
