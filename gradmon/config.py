@@ -76,6 +76,13 @@ class Config:
     disable: bool = False
     """Kill switch: ``attach()`` registers nothing, starts no thread, returns an inert handle."""
 
+    final_scrape_timeout: float = 30.0
+    """Seconds ``detach()`` waits for one more scrape, so that Prometheus sees the run
+    state "finished" and a job that ended normally does not page as stalled or missing.
+    It waits only if the endpoint was scraped before (nobody watching, no wait), and
+    returns as soon as that scrape has happened; 0 does not wait. 30 s covers the
+    usual 15-30 s scrape intervals."""
+
     log_every_incident: bool = False
     """Log every non-finite incident rather than only the first per layer."""
 
@@ -113,6 +120,9 @@ def _validate(cfg: Config) -> None:
             _fail("labels", f"key {k!r} is used by gradmon itself; choose another name")
         if not isinstance(v, str):
             _fail("labels", f"value of {k!r} must be a string, got {type(v).__name__}")
+    if not isinstance(cfg.final_scrape_timeout, (int, float)) or isinstance(cfg.final_scrape_timeout, bool) \
+            or not 0 <= cfg.final_scrape_timeout <= 3600:
+        _fail("final_scrape_timeout", f"must be a number of seconds in 0..3600, got {cfg.final_scrape_timeout!r}")
     if cfg.name is not None and (not isinstance(cfg.name, str) or not cfg.name):
         _fail("name", f"must be a non-empty string, got {cfg.name!r}")
     if cfg.registry is not None and not hasattr(cfg.registry, "register"):
@@ -140,6 +150,13 @@ def _parse_int(name: str, raw: str) -> int:
         return int(raw.strip())
     except ValueError:
         raise ValueError(f"gradmon: environment variable {name}={raw!r} must be an integer") from None
+
+
+def _parse_float(name: str, raw: str) -> float:
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ValueError(f"gradmon: environment variable {name}={raw!r} must be a number") from None
 
 
 def _parse_list(name: str, raw: str) -> Tuple[str, ...]:
@@ -170,6 +187,7 @@ _ENV_PARSERS: Dict[str, Callable[[str, str], Any]] = {
     "labels": _parse_labels,
     "name": lambda n, r: r.strip() or None,
     "disable": _parse_bool,
+    "final_scrape_timeout": _parse_float,
     "log_every_incident": _parse_bool,
 }
 

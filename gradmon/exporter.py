@@ -105,6 +105,13 @@ class GradmonCollector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sources: Dict[int, Tuple[ExportSource, Callable[[str, BaseException], None]]] = {}
+        self._scraped = threading.Condition()
+        self.scrapes = 0
+
+    def wait_for_scrape(self, after: int, timeout: float) -> bool:
+        """Block until a scrape beyond the ``after``-th has completed, or ``timeout``."""
+        with self._scraped:
+            return self._scraped.wait_for(lambda: self.scrapes > after, timeout)
 
     def add(self, key: int, source: ExportSource, on_error: Callable[[str, BaseException], None]) -> None:
         with self._lock:
@@ -131,6 +138,9 @@ class GradmonCollector:
         if process_labels is not None:
             for spec, labels, value in process.samples(process_labels):
                 fam.add(spec, labels, value)
+        with self._scraped:
+            self.scrapes += 1
+            self._scraped.notify_all()
         return list(fam)
 
 

@@ -119,12 +119,12 @@ class Monitor:
             if self._state in ("detached", "disabled"):
                 return
             self._state = "detached"
-            self._run_state = "finished"
             self._hooks.remove()
             if self._recorder is not None:
                 self._recorder.release()
             if self._publisher is not None:
                 self._publisher.close()
+            self._finish_run_state()
             if self._endpoint is not None:
                 exporter.release(self._endpoint, id(self))
                 self._endpoint = None
@@ -132,6 +132,17 @@ class Monitor:
             model = self._model_ref() if self._model_ref is not None else None
             if model is not None and _ATTACHED.get(model) is self:
                 del _ATTACHED[model]
+
+    def _finish_run_state(self) -> None:
+        """Set "finished" and let a scraping Prometheus see it once before the endpoint goes."""
+        scrapes = self._endpoint.collector.scrapes if self._endpoint is not None else 0
+        self._run_state = "finished"
+        timeout = self.config.final_scrape_timeout
+        if self._endpoint is None or self._endpoint.port is None or not scrapes or timeout <= 0:
+            return
+        if not self._endpoint.collector.wait_for_scrape(scrapes, timeout):
+            log.info("gradmon[%s]: no scrape within final_scrape_timeout=%ss after the run "
+                     "finished; Prometheus may not have seen the final state", self.name, timeout)
 
     def __enter__(self) -> "Monitor":
         return self

@@ -51,6 +51,7 @@ def attach():
     def _attach(model, **options):
         options.setdefault("port", 0)
         options.setdefault("addr", "127.0.0.1")
+        options.setdefault("final_scrape_timeout", 0)
         mon = gradmon.attach(model, **options)
         made.append(mon)
         return mon

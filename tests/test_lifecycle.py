@@ -274,3 +274,37 @@ def test_process_metrics_do_not_collide_with_prometheus_client_process_collector
         body = generate_latest(registry).decode()
     assert "gradmon_process_resident_memory_bytes" in body
     assert "\nprocess_resident_memory_bytes" in body
+
+
+def test_finished_state_survives_one_last_scrape_after_detach():
+    model = mlp()
+    mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=20)
+    train(model, 1)
+    url = mon.url
+    assert value(scrape(url), "gradmon_run_state", state="training") == 1
+    done = threading.Event()
+    threading.Thread(target=lambda: (mon.detach(), done.set()), daemon=True).start()
+    assert not done.wait(0.5)  # detach waits for the final scrape...
+    s = scrape(url)
+    assert value(s, "gradmon_run_state", state="finished") == 1
+    assert value(s, "gradmon_run_state", state="training") == 0
+    assert done.wait(5)  # ...and returns as soon as it happened
+    with pytest.raises(urllib.error.URLError):
+        scrape(url, timeout=1)
+
+
+def test_detach_does_not_wait_when_nobody_ever_scraped():
+    import time
+    model = mlp()
+    mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=20)
+    t0 = time.monotonic()
+    mon.detach()
+    assert time.monotonic() - t0 < 5
+
+
+def test_pause_and_resume_set_the_run_state(attach):
+    mon = attach(mlp())
+    mon.pause()
+    assert value(scrape(mon.url), "gradmon_run_state", state="paused") == 1
+    mon.resume()
+    assert value(scrape(mon.url), "gradmon_run_state", state="training") == 1
