@@ -1,0 +1,30 @@
+"""The ``gradmon`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="gradmon", description="Gradient-health monitor for PyTorch training jobs.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("command", nargs="?", choices=["demo"], help="demo: train a small model with gradmon attached")
+    known, rest = parser.parse_known_args(argv[:1] if argv and argv[0] == "demo" else argv)
+    if known.version:
+        from . import __version__
+        print(__version__)
+        return 0
+    if known.command == "demo":
+        from . import demo
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        return demo.run(argv[1:])
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
