@@ -128,7 +128,7 @@ class Recorder:
             if _in_backward():
                 return
             for t in iter_tensors(output):
-                if not is_floating(t):
+                if not is_floating(t) or t.numel() == 0:
                     continue
                 if self.cfg.activations:
                     f, i = stats.activation_record(t)

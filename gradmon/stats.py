@@ -50,7 +50,10 @@ def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(float32 [sum of squares, max|x|], int64 [nan, inf]) of one layer output."""
     x = x.detach()
     norm = torch.linalg.vector_norm(x, 2, dtype=torch.float32)
-    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+    # max|x| from aminmax: the inf-norm kernel is ~12x slower than this on CPU;
+    # torch.maximum propagates NaN like the norm does.
+    lo, hi = torch.aminmax(x)
+    amax = torch.maximum(lo.abs(), hi.abs()).float()
     counts = _ZERO_COUNTS if _host_says_finite(norm) else _counts(x)
     return torch.stack((norm * norm, amax)), counts
 

@@ -1,0 +1,228 @@
+"""gradmon's overhead on a GPT-style training step, as ratios to the unmonitored step.
+
+    python bench/bench_overhead.py            # the README figures
+    python bench/bench_overhead.py --quick    # a smoke run
+
+Reference model (issue 2): 6 blocks, width 256, 4 heads, sequence 128, batch 8, vocab
+2048, AdamW, clip_grad_norm_(1.0). Variants run interleaved in one process (round-robin,
+rotating the order each round, first steps of each segment discarded) so that machine
+noise hits all of them alike; the figure is the median step time divided by the
+baseline's median. Peak memory is each variant's peak resident set during training
+steps in a fresh subprocess: what a user's process would see, allocator caching included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int = 2048, d: int = 256, depth: int = 6, heads: int = 4, seq: int = 128) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(depth))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+# -- variants: each returns a teardown ---------------------------------------------------------
+
+def v_baseline(model, state) -> Callable[[], None]:
+    return lambda: None
+
+
+def _gradmon(**options) -> Callable:
+    def setup(model, state):
+        import gradmon
+        from prometheus_client import CollectorRegistry
+        mon = gradmon.attach(model, registry=CollectorRegistry(), final_scrape_timeout=0, **options)
+        state["monitor"] = mon
+
+        def teardown():
+            mon.flush(10)
+            state["overhead_s"] = mon._recorder.overhead if mon._recorder else 0.0
+            state["steps"] = mon.snapshot().steps_total
+            mon.detach()
+        return teardown
+    return setup
+
+
+def v_floor(model, state) -> Callable[[], None]:
+    """The unavoidable read of every gradient: one _foreach_norm per step, results kept on device."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    params = [p for p in model.parameters() if p.requires_grad]
+    kept: List[torch.Tensor] = []
+
+    def hook(opt, args, kwargs):
+        kept[:] = torch._foreach_norm([p.grad for p in params if p.grad is not None])
+    handle = register_optimizer_step_pre_hook(hook)
+    return handle.remove
+
+
+def v_tutorial(model, state) -> Callable[[], None]:
+    """What tutorials show: a Python hook per parameter calling .norm().item()."""
+    log: Dict[str, float] = {}
+    handles = [p.register_hook(lambda g, n=n: log.__setitem__(n, g.norm().item()))
+               for n, p in model.named_parameters()]
+    return lambda: [h.remove() for h in handles]
+
+
+VARIANTS = {
+    "baseline": v_baseline,
+    "gradmon_defaults": _gradmon(),
+    "gradmon_all_every_step": _gradmon(detail_every=1),
+    "floor_foreach_norm": v_floor,
+    "tutorial_hooks_item": v_tutorial,
+}
+TARGETS = {"gradmon_defaults": 1.03, "gradmon_all_every_step": 1.08}
+
+
+def make_training(seed: int = 0, batch: int = 8, seq: int = 128, vocab: int = 2048):
+    torch.manual_seed(seed)
+    model = GPT(vocab=vocab, seq=seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randint(0, vocab, (batch, seq + 1))
+
+    def step() -> None:
+        logits = model(data[:, :-1])
+        F.cross_entropy(logits.reshape(-1, vocab), data[:, 1:].reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, step
+
+
+def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict[str, Dict[str, float]]:
+    model, step = make_training()
+    for _ in range(3):
+        step()  # allocator and kernels warm
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    host_us: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            state: dict = {}
+            teardown = VARIANTS[name](model, state)
+            seg = []
+            for i in range(steps + discard):
+                t0 = time.perf_counter()
+                step()
+                if i >= discard:
+                    seg.append(time.perf_counter() - t0)
+            teardown()
+            times[name] += seg
+            if "overhead_s" in state and state.get("steps"):
+                host_us[name].append(state["overhead_s"] / state["steps"] * 1e6)
+    base = statistics.median(times["baseline"])
+    out = {}
+    for name in names:
+        med = statistics.median(times[name])
+        out[name] = {"median_step_ms": med * 1e3, "ratio": med / base,
+                     "host_us_per_step": statistics.median(host_us[name]) if host_us[name] else math.nan}
+    return out
+
+
+def _peak_during_steps(name: str, steps: int) -> float:
+    """Run in a fresh process: peak RSS (MB) while training with the variant attached.
+
+    The kernel's high-water mark is reset after model creation and two warm-up steps
+    (``/proc/self/clear_refs``), so the peak is that of the training steps, not of
+    importing torch.
+    """
+    model, step = make_training()
+    step()
+    step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    teardown = VARIANTS[name](model, {})
+    for _ in range(steps):
+        step()
+    teardown()
+    with open("/proc/self/status") as f:
+        hwm = next(line for line in f if line.startswith("VmHWM:"))
+    return int(hwm.split()[1]) / 1024
+
+
+def peak_rss_mb(name: str, steps: int) -> float:
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
+            f"import bench_overhead as b, torch; torch.set_num_threads({torch.get_num_threads()});"
+            f"print(b._peak_during_steps({name!r}, {steps}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant per round")
+    p.add_argument("--discard", type=int, default=2, help="untimed steps at the start of each segment")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--memory-steps", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="tiny run for a smoke test; figures meaningless")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.discard, args.memory_steps = 1, 2, 1, 2
+    torch.set_num_threads(args.threads)
+    names = list(VARIANTS)
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds x {args.steps} steps "
+          f"per variant, interleaved", flush=True)
+    res = interleaved(names, args.rounds, args.steps, args.discard)
+    for name in names:
+        res[name]["peak_rss_mb"] = peak_rss_mb(name, args.memory_steps)
+    base_rss = res["baseline"]["peak_rss_mb"]
+    print(f"{'variant':26s} {'step ms':>9s} {'ratio':>7s} {'target':>7s} {'host us/step':>13s} {'peak RSS MB':>12s} {'mem ratio':>9s}")
+    for name in names:
+        r = res[name]
+        r["mem_ratio"] = r["peak_rss_mb"] / base_rss
+        target = f"<={TARGETS[name]:.2f}" if name in TARGETS else ""
+        host = f"{r['host_us_per_step']:.0f}" if not math.isnan(r["host_us_per_step"]) else "-"
+        print(f"{name:26s} {r['median_step_ms']:9.1f} {r['ratio']:7.3f} {target:>7s} {host:>13s} "
+              f"{r['peak_rss_mb']:12.1f} {r['mem_ratio']:9.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The benchmark script runs and prints a ratio for every variant (figures are not asserted:
+speed is judged by the benchmark's printout, not by a timed test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_overhead.py"
+
+
+def test_benchmark_quick_run_reports_every_variant(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(BENCH), "--quick", "--threads", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert set(res) == {"baseline", "gradmon_defaults", "gradmon_all_every_step",
+                        "floor_foreach_norm", "tutorial_hooks_item"}
+    assert res["baseline"]["ratio"] == 1.0
+    for name, row in res.items():
+        assert row["median_step_ms"] > 0 and row["peak_rss_mb"] > 0, name
+        assert name in r.stdout
+    assert res["gradmon_defaults"]["host_us_per_step"] > 0  # read from gradmon's own counter
