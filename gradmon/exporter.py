@@ -72,6 +72,7 @@ def add_view(fam: _Families, view: ExportView) -> None:
     """Every family one monitored model contributes."""
     s, base = view.snapshot, view.labels
     fam.add(M.INFO, _with(base, **view.info), 1)
+    fam.add(M.WORLD_SIZE, base, float(view.info["world_size"]))
     for state in M.RUN_STATES:
         fam.add(M.RUN_STATE, _with(base, state=state), 1 if state == view.run_state else 0)
     fam.add(M.STEPS, base, s.steps_total)

@@ -80,6 +80,8 @@ OVERHEAD_SECONDS = _spec("overhead_seconds", "counter", (),
                          "Wall time gradmon spent on the training thread.")
 INFO = _spec("info", "info-gauge", ("version", "torch_version", "world_size"),
              "Build and job facts; the value is always 1.")
+WORLD_SIZE = _spec("world_size", "gauge", (),
+                   "Number of ranks in the job (torch.distributed or WORLD_SIZE), as a value so rules can compare against it.")
 RUN_STATE = _spec("run_state", "gauge", ("state",),
                   "1 for the current run state (training, paused, finished), 0 for the others.")
 UNCOVERED_LAYERS = _spec("uncovered_layers", "gauge", ("family",),

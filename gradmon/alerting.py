@@ -1,0 +1,466 @@
+"""One definition of every threshold, alert, recording rule and dashboard.
+
+The Prometheus rule file, the Kubernetes PrometheusRule, the Grafana-managed alert
+rules and the dashboards' threshold lines are all generated from this module, so they
+cannot drift apart. ``python -m gradmon.alerting write`` regenerates the committed
+files; ``python -m gradmon.alerting check`` fails if they differ from what this module
+generates (the tests run it).
+
+Time scales: :data:`PRODUCTION` is what ships. The end-to-end tests use
+``PRODUCTION.scaled(1/60)``: every window and ``for`` of the same rules, a minute
+becoming a second, never a hand-copied second rule file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import metrics as M
+
+RUNBOOK = "https://github.com/gradmon/gradmon/blob/main/docs/runbook.md"
+TARGET = "job, instance, model, rank"  # the labels that identify one monitored model on one rank
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The numbers behind the alerts; dashboards draw the same values as threshold lines."""
+
+    warmup_steps: int = 100
+    """Steps after attach that neither page nor enter a baseline: warm-up spikes are normal."""
+    explode_abs: float = 1000.0
+    """Pre-clip global norm that pages whatever the model's baseline."""
+    explode_jump: float = 100.0
+    """A global norm this many times its own recent median pages, even below explode_abs..."""
+    explode_floor: float = 0.01
+    """...as long as it is above this floor (a jump from 1e-6 to 1e-4 is not an explosion)."""
+    vanish_abs: float = 1e-8
+    """A layer gradient norm below this is vanishing whatever its history."""
+    vanish_rel: float = 1e-4
+    """A layer gradient norm below this fraction of its own recent median is vanishing."""
+    activation_abs_max: float = 3.0e4
+    """max|x| of an activation near fp16's 65504 overflows at the next multiply."""
+    divergence_factor: float = 10.0
+    """A rank's local (pre-all-reduce) norm this many times the ranks' median (or, with two
+    ranks, the other rank's) is diverging."""
+    stall_seconds: float = 600.0
+    """No optimizer step for this long, while the run state is "training", is a stall."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Windows and ``for`` durations, in seconds."""
+
+    nonfinite_window: float = 300
+    explode_for: float = 60
+    baseline_window: float = 1800
+    baseline_offset: float = 300
+    vanish_for: float = 600
+    activation_for: float = 120
+    stall_for: float = 60
+    down_for: float = 60
+    history_window: float = 3600
+    """How far back a vanished rank or a finished run is remembered."""
+    divergence_for: float = 300
+
+    def scaled(self, factor: float) -> "Timing":
+        return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self)})
+
+
+PRODUCTION = Timing()
+TEST_SCALE = 1 / 60
+
+
+def dur(seconds: float) -> str:
+    """A Prometheus duration: whole minutes as "5m", anything else in seconds."""
+    s = int(round(seconds))
+    return f"{s // 60}m" if s >= 60 and s % 60 == 0 else f"{max(s, 1)}s"
+
+
+# -- recording rules -------------------------------------------------------------------------------
+
+REC_GLOBAL_POST_WARMUP = "model_rank:gradmon_grad_global_norm:post_warmup"
+REC_GLOBAL_BASELINE = "model_rank:gradmon_grad_global_norm:median_baseline"
+REC_LAYER_POST_WARMUP = "model_rank_layer:gradmon_grad_norm:post_warmup"
+REC_LAYER_BASELINE = "model_rank_layer:gradmon_grad_norm:median_baseline"
+REC_LOCAL_MEDIAN = "job_model:gradmon_local_grad_global_norm:median"
+REC_LOCAL_MIN = "job_model:gradmon_local_grad_global_norm:min"
+REC_LOCAL_RANKS = "job_model:gradmon_local_grad_global_norm:count"
+REC_STEPS_RATE = "model_rank:gradmon_steps:rate1m"
+LOCAL_GLOBAL_NORM = "gradmon_local_grad_global_norm"  # issue 4's pre-all-reduce view
+
+
+def recording_rules(th: Thresholds, t: Timing) -> List[Dict[str, str]]:
+    post = f"(gradmon_steps_total > {th.warmup_steps})"
+    return [
+        {"record": REC_GLOBAL_POST_WARMUP, "expr": f"gradmon_grad_global_norm and {post}"},
+        {"record": REC_GLOBAL_BASELINE,
+         "expr": f"quantile_over_time(0.5, {REC_GLOBAL_POST_WARMUP}[{dur(t.baseline_window)}] offset {dur(t.baseline_offset)})"},
+        {"record": REC_LAYER_POST_WARMUP,
+         "expr": f"gradmon_grad_norm and on({TARGET}) {post}"},
+        {"record": REC_LAYER_BASELINE,
+         "expr": f"quantile_over_time(0.5, {REC_LAYER_POST_WARMUP}[{dur(t.baseline_window)}] offset {dur(t.baseline_offset)})"},
+        {"record": REC_LOCAL_MEDIAN, "expr": f"quantile by (job, model) (0.5, {LOCAL_GLOBAL_NORM})"},
+        {"record": REC_LOCAL_MIN, "expr": f"min by (job, model) ({LOCAL_GLOBAL_NORM})"},
+        {"record": REC_LOCAL_RANKS, "expr": f"count by (job, model) ({LOCAL_GLOBAL_NORM})"},
+        {"record": REC_STEPS_RATE, "expr": "rate(gradmon_steps_total[1m])"},
+    ]
+
+
+# -- alerts ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    severity: str
+    summary: str
+    description: str
+    expr: str
+    for_seconds: float
+
+    @property
+    def runbook_url(self) -> str:
+        return f"{RUNBOOK}#{self.name.lower()}"
+
+
+def alerts(th: Thresholds, t: Timing) -> List[Alert]:
+    finished = (f"max by ({TARGET}) (max_over_time(gradmon_run_state{{state=\"finished\"}}[{dur(t.history_window)}])) == 1")
+    where = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"
+    return [
+        Alert("GradmonNonFiniteGradients", "critical", "NaN/Inf gradients",
+              "{{ $value }} NaN/Inf elements in the {{ $labels.tensor }} of layer {{ $labels.layer }} "
+              f"({where}) in the last {dur(t.nonfinite_window)}.",
+              f"sum by ({TARGET}, layer, tensor) (increase(gradmon_nonfinite_total{{tensor=~\"grad|grad_flow\"}}[{dur(t.nonfinite_window)}])) > 0",
+              0),
+        Alert("GradmonGradientExplosion", "critical", "Gradient norm exploding",
+              f"Pre-clip global gradient norm {{{{ $value | humanize }}}} ({where}): above {th.explode_abs:g}, "
+              f"or {th.explode_jump:g}x its own median of the previous {dur(t.baseline_window)}.",
+              f"max by ({TARGET}) (\n"
+              f"  ({REC_GLOBAL_POST_WARMUP} > {th.explode_abs:g})\n"
+              f"  or\n"
+              f"  ({REC_GLOBAL_POST_WARMUP} > {th.explode_floor:g} and {REC_GLOBAL_POST_WARMUP} > {th.explode_jump:g} * {REC_GLOBAL_BASELINE})\n"
+              f")",
+              t.explode_for),
+        Alert("GradmonVanishingGradients", "warning", "Gradients vanishing",
+              f"Gradient norm of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}} ({where}): below "
+              f"{th.vanish_abs:g} or below {th.vanish_rel:g}x its own median, for {dur(t.vanish_for)}.",
+              f"max by ({TARGET}, layer) (\n"
+              f"  ({REC_LAYER_POST_WARMUP} < {th.vanish_abs:g})\n"
+              f"  or\n"
+              f"  ({REC_LAYER_POST_WARMUP} < {th.vanish_rel:g} * {REC_LAYER_BASELINE})\n"
+              f")",
+              t.vanish_for),
+        Alert("GradmonActivationBlowup", "warning", "Activations growing toward overflow",
+              f"max|x| of layer {{{{ $labels.layer }}}}'s output is {{{{ $value | humanize }}}} ({where}), "
+              f"above {th.activation_abs_max:g} (fp16 overflows at 65504).",
+              f"max by ({TARGET}, layer) (gradmon_activation_abs_max) > {th.activation_abs_max:g}",
+              t.activation_for),
+        Alert("GradmonTrainingStalled", "warning", "Training stalled",
+              f"No optimizer step for {{{{ $value | humanizeDuration }}}} ({where}) while the run state is "
+              f"\"training\" and the exporter is up.",
+              f"max by ({TARGET}) (time() - gradmon_last_step_timestamp_seconds)\n"
+              f"  > {th.stall_seconds:g}\n"
+              f"and on({TARGET}) max by ({TARGET}) (gradmon_run_state{{state=\"training\"}}) == 1",
+              t.stall_for),
+        Alert("GradmonExporterDown", "critical", "A rank stopped reporting",
+              f"Rank {{{{ $labels.rank }}}} of job {{{{ $labels.job }}}} (instance {{{{ $labels.instance }}}}) reported "
+              f"in the last {dur(t.history_window)} and reports no more, without having finished: "
+              "the process died, hung hard, or its pod is gone.",
+              f"(\n  max by ({TARGET}) (max_over_time(gradmon_steps_total[{dur(t.history_window)}]))\n"
+              f"  unless max by ({TARGET}) (gradmon_steps_total)\n)\nunless on({TARGET}) ({finished})",
+              t.down_for),
+        Alert("GradmonRanksMissing", "critical", "Fewer ranks report than the world size",
+              "Only {{ $value }} ranks of job {{ $labels.job }} (model {{ $labels.model }}) report, fewer than "
+              "its world size: some ranks never came up or their targets are missing.",
+              f"(\n  count by (job, model) (gradmon_steps_total)\n"
+              f"  < max by (job, model) (max_over_time(gradmon_world_size[{dur(t.history_window)}]))\n)\n"
+              f"unless on(job, model) (max by (job, model) (max_over_time(gradmon_run_state{{state=\"finished\"}}[{dur(t.history_window)}])) == 1)",
+              t.down_for),
+        Alert("GradmonRankDivergence", "warning", "One rank's local gradient diverges",
+              f"Rank {{{{ $labels.rank }}}}'s local (pre-all-reduce) gradient norm is {{{{ $value | humanize }}}}, "
+              f"over {th.divergence_factor:g}x the other ranks' ({where}): a bad data shard or a faulty device.",
+              f"max by ({TARGET}) (\n"
+              f"  ({LOCAL_GLOBAL_NORM} > on(job, model) group_left() ({th.divergence_factor:g} * {REC_LOCAL_MEDIAN}))\n"
+              f"  or\n"
+              f"  ({LOCAL_GLOBAL_NORM} > on(job, model) group_left() ({th.divergence_factor:g} * {REC_LOCAL_MIN})\n"
+              f"   and on(job, model) ({REC_LOCAL_RANKS} == 2))\n"
+              f")",
+              t.divergence_for),
+    ]
+
+
+INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    # one fault, one page: a NaN explains the explosion, vanishing and divergence that follow it
+    ("GradmonNonFiniteGradients", ("GradmonGradientExplosion", "GradmonVanishingGradients",
+                                   "GradmonRankDivergence", "GradmonActivationBlowup")),
+    # a dead exporter explains why no step is seen
+    ("GradmonExporterDown", ("GradmonTrainingStalled",)),
+)
+
+
+def rule_groups(th: Thresholds = Thresholds(), t: Timing = PRODUCTION, interval: Optional[str] = None,
+                annotations: bool = True) -> Dict[str, Any]:
+    """The rule file. ``annotations=False`` is for promtool unit tests, which compare
+    annotations verbatim (templated values included) and are about when rules fire."""
+    rec: Dict[str, Any] = {"name": "gradmon.recording", "rules": recording_rules(th, t)}
+    al: Dict[str, Any] = {"name": "gradmon.alerts", "rules": [
+        {"alert": a.name, "expr": a.expr, "for": dur(a.for_seconds) if a.for_seconds else "0s",
+         "labels": {"severity": a.severity},
+         **({"annotations": {"summary": a.summary, "description": a.description, "runbook_url": a.runbook_url}}
+            if annotations else {})}
+        for a in alerts(th, t)]}
+    if interval:
+        rec["interval"] = al["interval"] = interval
+    return {"groups": [rec, al]}
+
+
+# -- Grafana-managed alerts -------------------------------------------------------------------------
+
+def grafana_alerting(th: Thresholds = Thresholds(), t: Timing = PRODUCTION) -> Dict[str, Any]:
+    """The same alerts for teams that alert from Grafana: each rule queries the same PromQL.
+
+    Recording rules are inlined (Grafana evaluates plain PromQL against the datasource,
+    which may not have gradmon's recording rules loaded)."""
+    inline = {r["record"]: f"({r['expr']})" for r in recording_rules(th, t)}
+    rules = []
+    for a in alerts(th, t):
+        expr = a.expr
+        for name in sorted(inline, key=len, reverse=True):
+            expr = expr.replace(name, inline[name])
+        rules.append({
+            "uid": "gradmon-" + a.name[len("Gradmon"):].lower(),
+            "title": a.name,
+            "condition": "B",
+            "data": [
+                {"refId": "A", "datasourceUid": "${DS_PROMETHEUS}",
+                 "relativeTimeRange": {"from": int(t.history_window), "to": 0},
+                 "model": {"refId": "A", "expr": expr, "instant": True}},
+                {"refId": "B", "datasourceUid": "__expr__",
+                 "model": {"refId": "B", "type": "threshold", "expression": "A",
+                           "conditions": [{"evaluator": {"type": "gt", "params": [0]}}]}},
+            ],
+            "for": dur(a.for_seconds) if a.for_seconds else "0s",
+            "noDataState": "OK",
+            "execErrState": "Error",
+            "labels": {"severity": a.severity},
+            "annotations": {"summary": a.summary, "description": a.description, "runbook_url": a.runbook_url},
+        })
+    return {"apiVersion": 1, "groups": [
+        {"orgId": 1, "name": "gradmon", "folder": "gradmon", "interval": "1m", "rules": rules}]}
+
+
+# -- Alertmanager ---------------------------------------------------------------------------------
+
+def alertmanager_config(webhook_url: str = "http://alert-receiver.example:5001/gradmon",
+                        group_wait: str = "30s", group_interval: str = "5m",
+                        repeat_interval: str = "4h") -> Dict[str, Any]:
+    return {
+        "route": {
+            "receiver": "oncall",
+            "group_by": ["job", "alertname"],
+            "group_wait": group_wait, "group_interval": group_interval, "repeat_interval": repeat_interval,
+        },
+        "receivers": [{"name": "oncall", "webhook_configs": [{"url": webhook_url, "send_resolved": True}]}],
+        "inhibit_rules": [
+            {"source_matchers": [f"alertname = {src}"],
+             "target_matchers": [f"alertname =~ \"{'|'.join(targets)}\""],
+             "equal": ["job"]}
+            for src, targets in INHIBITIONS],
+    }
+
+
+# -- dashboards -----------------------------------------------------------------------------------
+
+SEL = 'job=~"$job", model=~"$model", rank=~"$rank"'
+LSEL = SEL + ', layer=~"$layer"'
+
+
+def _target(expr: str, legend: str, ref: str, instant: bool = False, fmt: Optional[str] = None) -> Dict[str, Any]:
+    t: Dict[str, Any] = {"refId": ref, "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                         "expr": expr, "legendFormat": legend}
+    if instant:
+        t["instant"] = True
+        t["range"] = False
+    if fmt:
+        t["format"] = fmt
+    return t
+
+
+def _panel(pid: int, title: str, kind: str, grid: Tuple[int, int, int, int], targets: Sequence[Tuple[str, str]],
+           unit: str = "short", thresholds: Sequence[Tuple[str, Optional[float]]] = (), log: bool = False,
+           instant: bool = False, description: str = "", fmt: Optional[str] = None) -> Dict[str, Any]:
+    x, y, w, h = grid
+    steps = [{"color": color, "value": value} for color, value in (thresholds or [("green", None)])]
+    defaults: Dict[str, Any] = {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}}
+    if kind == "timeseries":
+        defaults["custom"] = {"scaleDistribution": {"type": "log", "log": 10} if log else {"type": "linear"},
+                              "thresholdsStyle": {"mode": "line" if thresholds else "off"}}
+    return {
+        "id": pid, "type": kind, "title": title, "description": description,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {},
+        "targets": [_target(e, legend, chr(ord("A") + i), instant, fmt) for i, (e, legend) in enumerate(targets)],
+    }
+
+
+def _var(name: str, query: str, label: str, multi: bool = True) -> Dict[str, Any]:
+    return {"name": name, "label": label, "type": "query",
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
+            "refresh": 2, "multi": multi, "includeAll": True, "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "sort": 3}
+
+
+def _dashboard(uid: str, title: str, panels: List[Dict[str, Any]], with_layer: bool) -> Dict[str, Any]:
+    variables = [
+        {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+         "current": {}, "hide": 0},
+        _var("job", "label_values(gradmon_info, job)", "job"),
+        _var("model", 'label_values(gradmon_info{job=~"$job"}, model)', "model"),
+        _var("rank", 'label_values(gradmon_info{job=~"$job", model=~"$model"}, rank)', "rank"),
+    ]
+    if with_layer:
+        variables.append(_var("layer", 'label_values(gradmon_grad_norm{job=~"$job", model=~"$model"}, layer)', "layer"))
+    return {
+        "uid": uid, "title": title, "tags": ["gradmon"], "timezone": "browser", "schemaVersion": 39,
+        "editable": True, "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
+        "templating": {"list": variables},
+        "links": [{"title": "gradmon dashboards", "type": "dashboards", "tags": ["gradmon"], "asDropdown": True}],
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
+    red, orange = "red", "orange"
+    overview = _dashboard("gradmon-overview", "gradmon / Overview", [
+        _panel(1, "Global gradient norm (pre-clip)", "timeseries", (0, 0, 12, 8),
+               [(f"gradmon_grad_global_norm{{{SEL}}}", "{{job}} rank {{rank}}")], log=True,
+               thresholds=[("green", None), (red, th.explode_abs)],
+               description="Per rank; the red line is the explosion threshold of GradmonGradientExplosion."),
+        _panel(2, "Non-finite elements / s", "timeseries", (12, 0, 12, 8),
+               [(f"sum by (job, rank, tensor) (rate(gradmon_nonfinite_total{{{SEL}}}[$__rate_interval]))",
+                 "{{job}} rank {{rank}} {{tensor}}")], thresholds=[("green", None), (red, 0)]),
+        _panel(3, "Steps / s", "timeseries", (0, 8, 8, 6),
+               [(f"sum by (job, rank) (rate(gradmon_steps_total{{{SEL}}}[$__rate_interval]))", "{{job}} rank {{rank}}")]),
+        _panel(4, "Time since last step", "stat", (8, 8, 8, 6),
+               [(f"max by (job) (time() - gradmon_last_step_timestamp_seconds{{{SEL}}})", "{{job}}")], unit="s",
+               thresholds=[("green", None), (orange, th.stall_seconds / 2), (red, th.stall_seconds)]),
+        _panel(5, "Firing gradmon alerts", "table", (16, 8, 8, 6),
+               [('sum by (alertname, job, rank, layer) (ALERTS{alertstate="firing", alertname=~"Gradmon.*", job=~"$job"})',
+                 "{{alertname}}")], instant=True, fmt="table",
+               description="Empty when healthy (Prometheus' ALERTS series)."),
+        _panel(6, "Per-rank health", "table", (0, 14, 24, 8),
+               [(f"max by (job, rank) (gradmon_grad_global_norm{{{SEL}}})", "norm"),
+                (f"sum by (job, rank) (increase(gradmon_nonfinite_total{{{SEL}}}[1h]))", "nonfinite 1h"),
+                (f"max by (job, rank) (time() - gradmon_last_step_timestamp_seconds{{{SEL}}})", "since step"),
+                (f"max by (job, rank) (gradmon_step{{{SEL}}})", "step")], instant=True, fmt="table"),
+        _panel(7, "Global norm distribution (every step)", "heatmap", (0, 22, 24, 8),
+               [(f"sum by (le) (increase(gradmon_grad_global_norm_distribution_bucket{{{SEL}}}[$__rate_interval]))", "{{le}}")],
+               fmt="heatmap", description="From the cumulative histogram: catches a one-step spike between scrapes."),
+    ], with_layer=False)
+    layers = _dashboard("gradmon-layers", "gradmon / Layers", [
+        _panel(1, "Gradient norm by layer", "timeseries", (0, 0, 24, 9),
+               [(f"gradmon_grad_norm{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
+               thresholds=[("green", None), (red, th.explode_abs)]),
+        _panel(2, "Gradient norm across layers (now)", "bargauge", (0, 9, 12, 10),
+               [(f"max by (layer) (gradmon_grad_norm{{{LSEL}}})", "{{layer}}")], instant=True),
+        _panel(3, "Top 5 largest layer gradients", "table", (12, 9, 6, 10),
+               [(f"topk(5, max by (layer) (gradmon_grad_norm{{{LSEL}}}))", "{{layer}}")], instant=True, fmt="table"),
+        _panel(4, "Top 5 smallest layer gradients", "table", (18, 9, 6, 10),
+               [(f"bottomk(5, min by (layer) (gradmon_grad_norm{{{LSEL}}}))", "{{layer}}")], instant=True, fmt="table",
+               description=f"Vanishing below {th.vanish_abs:g} (or {th.vanish_rel:g}x baseline) pages."),
+        _panel(5, "Gradient flow by depth (norm of d loss / d output)", "timeseries", (0, 19, 24, 8),
+               [(f"gradmon_grad_flow_norm{{{LSEL}}}", "{{layer}}")], log=True),
+        _panel(6, "Activation RMS by layer", "timeseries", (0, 27, 12, 8),
+               [(f"gradmon_activation_rms{{{LSEL}}}", "{{layer}}")], log=True),
+        _panel(7, "Activation max |x| by layer", "timeseries", (12, 27, 12, 8),
+               [(f"gradmon_activation_abs_max{{{LSEL}}}", "{{layer}}")], log=True,
+               thresholds=[("green", None), (red, th.activation_abs_max)]),
+        _panel(8, "Non-finite elements by layer (1h)", "table", (0, 35, 24, 8),
+               [(f"sum by (layer, tensor, kind) (increase(gradmon_nonfinite_total{{{LSEL}}}[1h]))", "{{layer}}")],
+               instant=True, fmt="table"),
+    ], with_layer=True)
+    ranks = _dashboard("gradmon-ranks", "gradmon / Ranks", [
+        _panel(1, "Global gradient norm by rank", "timeseries", (0, 0, 12, 8),
+               [(f"gradmon_grad_global_norm{{{SEL}}}", "rank {{rank}}")], log=True),
+        _panel(2, "Local (pre-all-reduce) norm by rank", "timeseries", (12, 0, 12, 8),
+               [(f"{LOCAL_GLOBAL_NORM}{{{SEL}}}", "rank {{rank}}")], log=True,
+               description="Each rank's own gradient before DDP's all-reduce; a bad rank stands out here."),
+        _panel(3, "Spread across ranks (max / median of local norms)", "timeseries", (0, 8, 12, 8),
+               [(f"max by (job, model) ({LOCAL_GLOBAL_NORM}{{{SEL}}}) / on(job, model) {REC_LOCAL_MEDIAN}{{job=~\"$job\", model=~\"$model\"}}",
+                 "{{job}}")], thresholds=[("green", None), (red, th.divergence_factor)]),
+        _panel(4, "NaN/Inf by rank", "timeseries", (12, 8, 12, 8),
+               [(f"sum by (rank) (rate(gradmon_nonfinite_total{{{SEL}}}[$__rate_interval]))", "rank {{rank}}")]),
+        _panel(5, "Resident memory by rank", "timeseries", (0, 16, 12, 8),
+               [(f"gradmon_process_resident_memory_bytes{{{SEL}}}", "rank {{rank}}")], unit="bytes"),
+        _panel(6, "CPU by rank", "timeseries", (12, 16, 12, 8),
+               [(f"rate(gradmon_process_cpu_seconds_total{{{SEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
+        _panel(7, "gradmon overhead share of wall time", "timeseries", (0, 24, 24, 6),
+               [(f"rate(gradmon_overhead_seconds_total{{{SEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
+    ], with_layer=False)
+    return {"overview": overview, "layers": layers, "ranks": ranks}
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+HEADER = "# Generated by `python -m gradmon.alerting write` from gradmon/alerting.py. Do not edit.\n"
+
+
+def _yaml(obj: Any) -> str:
+    import yaml  # a dev/test dependency: only generating the files needs it
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: Any, data: str) -> Any:  # multi-line PromQL as readable block scalars
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+    Dumper.add_representer(str, text)
+    return HEADER + yaml.dump(obj, Dumper=Dumper, sort_keys=False, width=120, allow_unicode=True)
+
+
+def generated_files(root: Path) -> Dict[Path, str]:
+    boards = dashboards()
+    files = {
+        root / "deploy/prometheus/rules/gradmon.rules.yml": _yaml(rule_groups()),
+        root / "deploy/alertmanager/alertmanager.yml": _yaml(alertmanager_config()),
+        root / "deploy/grafana/provisioning/alerting/gradmon.yml": _yaml(grafana_alerting()),
+        root / "deploy/kubernetes/prometheusrule.yaml": _yaml({
+            "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "gradmon", "labels": {"release": "prometheus"}},
+            "spec": rule_groups()}),
+        root / "deploy/kubernetes/dashboards-configmap.yaml": _yaml({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "gradmon-dashboards", "labels": {"grafana_dashboard": "1"}},
+            "data": {f"gradmon-{name}.json": json.dumps(board, indent=2) + "\n" for name, board in boards.items()}}),
+    }
+    for name, board in boards.items():
+        files[root / f"dashboards/{name}.json"] = json.dumps(board, indent=2) + "\n"
+    return files
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    root = Path(args[1]) if len(args) > 1 else Path(__file__).resolve().parents[1]
+    mode = args[0] if args else "check"
+    stale = []
+    for path, text in generated_files(root).items():
+        if mode == "write":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        elif not path.exists() or path.read_text() != text:
+            stale.append(str(path.relative_to(root)))
+    if stale:
+        print("out of date (run `python -m gradmon.alerting write`): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
