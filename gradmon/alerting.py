@@ -275,6 +275,7 @@ def alertmanager_config(webhook_url: str = "http://alert-receiver.example:5001/g
 # -- dashboards -----------------------------------------------------------------------------------
 
 SEL = 'job=~"$job", model=~"$model", rank=~"$rank"'
+PSEL = 'job=~"$job", rank=~"$rank"'  # process metrics describe the process, not one model: no model label
 LSEL = SEL + ', layer=~"$layer"'
 
 
@@ -398,9 +399,9 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
         _panel(4, "NaN/Inf by rank", "timeseries", (12, 8, 12, 8),
                [(f"sum by (rank) (rate(gradmon_nonfinite_total{{{SEL}}}[$__rate_interval]))", "rank {{rank}}")]),
         _panel(5, "Resident memory by rank", "timeseries", (0, 16, 12, 8),
-               [(f"gradmon_process_resident_memory_bytes{{{SEL}}}", "rank {{rank}}")], unit="bytes"),
+               [(f"gradmon_process_resident_memory_bytes{{{PSEL}}}", "rank {{rank}}")], unit="bytes"),
         _panel(6, "CPU by rank", "timeseries", (12, 16, 12, 8),
-               [(f"rate(gradmon_process_cpu_seconds_total{{{SEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
+               [(f"rate(gradmon_process_cpu_seconds_total{{{PSEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
         _panel(7, "gradmon overhead share of wall time", "timeseries", (0, 24, 24, 6),
                [(f"rate(gradmon_overhead_seconds_total{{{SEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
     ], with_layer=False)

@@ -1,0 +1,61 @@
+"""Dashboards by structure: fixed uids, a datasource variable, the job/rank/layer variables,
+units, and queries that use only metrics gradmon exports or rules record."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from gradmon import alerting
+from gradmon import metrics as M
+
+ROOT = Path(__file__).resolve().parents[1]
+BOARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "dashboards").glob("*.json"))}
+KNOWN = {n for spec in M.ALL_SPECS for n in M.exposed_names(spec)} | {
+    r["record"] for r in alerting.recording_rules(alerting.Thresholds(), alerting.PRODUCTION)} | {
+    alerting.LOCAL_GLOBAL_NORM, "ALERTS"}
+PROMQL_WORDS = {"sum", "max", "min", "by", "rate", "increase", "time", "topk", "bottomk", "on", "le", "count",
+                "quantile", "label_values", "group_left", "and", "or", "unless"}
+
+
+def test_three_dashboards_with_fixed_uids():
+    assert {b["uid"] for b in BOARDS.values()} == {"gradmon-overview", "gradmon-layers", "gradmon-ranks"}
+
+
+@pytest.mark.parametrize("name", sorted(BOARDS))
+def test_datasource_variable_and_filters(name):
+    board = BOARDS[name]
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert {"job", "rank", "model"} <= set(variables)
+    if name == "layers":
+        assert variables["layer"]["multi"] and variables["layer"]["includeAll"]
+    for panel in board["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}"
+        assert panel["fieldConfig"]["defaults"]["unit"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}"
+            if "ALERTS" not in target["expr"]:
+                assert '$job' in target["expr"] and '$rank' in target["expr"], (panel["title"], target["expr"])
+
+
+@pytest.mark.parametrize("name", sorted(BOARDS))
+def test_queries_use_only_known_metrics(name):
+    for panel in BOARDS[name]["panels"]:
+        for target in panel["targets"]:
+            expr = re.sub(r'"[^"]*"', "", target["expr"])  # drop label values
+            expr = re.sub(r"\[[^\]]*\]", "", expr)
+            names = {w for w in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr)
+                     if (w.startswith("gradmon") or ":" in w or w == "ALERTS")}
+            assert names <= KNOWN, (panel["title"], names - KNOWN)
+
+
+def test_threshold_lines_come_from_the_alert_thresholds():
+    th = alerting.Thresholds()
+    panel = next(p for p in BOARDS["overview"]["panels"] if p["title"].startswith("Global gradient norm"))
+    assert th.explode_abs in [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+    panel = next(p for p in BOARDS["layers"]["panels"] if p["title"] == "Activation max |x| by layer")
+    assert th.activation_abs_max in [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
