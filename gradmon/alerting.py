@@ -133,7 +133,10 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
         Alert("GradmonNonFiniteGradients", "critical", "NaN/Inf gradients",
               "{{ $value }} NaN/Inf elements in the {{ $labels.tensor }} of layer {{ $labels.layer }} "
               f"({where}) in the last {dur(t.nonfinite_window)}.",
-              f"sum by ({TARGET}, layer, tensor) (increase(gradmon_nonfinite_total{{tensor=~\"grad|grad_flow\"}}[{dur(t.nonfinite_window)}])) > 0",
+              f"sum by ({TARGET}, layer, tensor) (increase(gradmon_nonfinite_total{{tensor=~\"grad|grad_flow\"}}[{dur(t.nonfinite_window)}])) > 0\n"
+              f"or\n"
+              f"label_replace(sum by ({TARGET}, layer) (increase(gradmon_local_nonfinite_total[{dur(t.nonfinite_window)}])), "
+              f"\"tensor\", \"local_grad\", \"\", \"\") > 0",
               0),
         Alert("GradmonGradientExplosion", "critical", "Gradient norm exploding",
               f"Pre-clip global gradient norm {{{{ $value | humanize }}}} ({where}): above {th.explode_abs:g}, "

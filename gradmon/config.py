@@ -62,6 +62,12 @@ class Config:
     grad_flow: bool = True
     """Norm and non-finite counts of the gradient with respect to each layer's output."""
 
+    local_view: Optional[bool] = None
+    """Also measure each rank's own gradient before DDP's all-reduce (the
+    ``gradmon_local_*`` families): the only view in which one bad rank or data shard
+    stands out, since after the all-reduce every rank holds the same gradient. None
+    turns it on when the attached model is wrapped in DistributedDataParallel."""
+
     labels: Mapping[str, str] = field(default_factory=dict)
     """Constant labels added to every series, e.g. ``{"run_id": "exp-42"}``."""
 
@@ -184,6 +190,7 @@ _ENV_PARSERS: Dict[str, Callable[[str, str], Any]] = {
     "layer_types": _parse_list,
     "activations": _parse_bool,
     "grad_flow": _parse_bool,
+    "local_view": _parse_bool,
     "labels": _parse_labels,
     "name": lambda n, r: r.strip() or None,
     "disable": _parse_bool,

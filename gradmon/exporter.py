@@ -86,6 +86,12 @@ def add_view(fam: _Families, view: ExportView) -> None:
                         (M.ACTIVATION_RMS, s.activation_rms), (M.ACTIVATION_ABS_MAX, s.activation_abs_max)):
         for layer, value in pairs:
             fam.add(spec, _with(base, layer=layer), value)
+    if s.local_global_norm is not None:
+        fam.add(M.LOCAL_GRAD_GLOBAL_NORM, base, s.local_global_norm)
+    for layer, value in s.local_grad_norm:
+        fam.add(M.LOCAL_GRAD_NORM, _with(base, layer=layer), value)
+    for layer, kind, count in s.local_nonfinite:
+        fam.add(M.LOCAL_NONFINITE, _with(base, layer=layer, kind=kind), count)
     for layer, tensor, kind, count in s.nonfinite:
         fam.add(M.NONFINITE, _with(base, layer=layer, tensor=tensor, kind=kind), count)
     fam.add(M.NONFINITE_STEPS, base, s.nonfinite_steps)

@@ -26,7 +26,7 @@ import time
 import weakref
 from functools import partial
 from time import perf_counter
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -83,8 +83,9 @@ class Recorder:
     """Per-step state of one monitor on the training thread: device tensors and small lists."""
 
     def __init__(self, layers: Sequence[Layer], cfg: Config, errors: ErrorLog,
-                 publish: Callable[[object], None]) -> None:
+                 publish: Callable[[object], None], local_view: bool = False) -> None:
         self.cfg = cfg
+        self.local_view = local_view
         self.errors = errors
         self.publish = publish
         self.params: List[nn.Parameter] = [p for layer in layers for p in layer.params]
@@ -110,6 +111,7 @@ class Recorder:
         self._flow_f: List[torch.Tensor] = []
         self._flow_i: List[torch.Tensor] = []
         self._flow_meta: List[int] = []
+        self._local: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def release(self) -> None:
         """Drop every reference to the model so it can be garbage-collected after detach."""
@@ -147,12 +149,26 @@ class Recorder:
             return
         t0 = perf_counter()
         try:
-            f, i = stats.grad_flow_record(grad)
+            f, i = stats.gradient_record(grad)
             self._flow_f.append(f)
             self._flow_i.append(i)
             self._flow_meta.append(layer)
         except Exception as exc:
             self.errors.record("grad_flow", exc)
+        finally:
+            self.overhead += perf_counter() - t0
+
+    def on_local_grad(self, param: int, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: runs inside AccumulateGrad, before DDP's reducer
+        copies the gradient into its bucket, so ``p.grad`` is still this rank's own
+        (accumulated over ``no_sync`` micro-batches). The latest call per parameter wins."""
+        if not self.active or p.grad is None:
+            return
+        t0 = perf_counter()
+        try:
+            self._local[param] = stats.gradient_record(p.grad)
+        except Exception as exc:
+            self.errors.record("backward", exc)
         finally:
             self.overhead += perf_counter() - t0
 
@@ -305,12 +321,18 @@ class Recorder:
         if self._flow_f:
             home = home or self._flow_f[0].device
             parts += [stats.stack_records(self._flow_f, home), stats.stack_records(self._flow_i, home)]
+        local_params = tuple(sorted(self._local))
+        if local_params:
+            records = [self._local[i] for i in local_params]
+            home = home or records[0][0].device
+            parts += [stats.stack_records([f for f, _ in records], home),
+                      stats.stack_records([c for _, c in records], home)]
         if home is None:
             return packet
         data, event = stats.to_host(stats.pack(parts, home))
         return dataclasses.replace(
             packet, data=data, event=event, grad_params=grad_params,
-            act_meta=tuple(self._act_meta), flow_meta=tuple(self._flow_meta),
+            act_meta=tuple(self._act_meta), flow_meta=tuple(self._flow_meta), local_params=local_params,
             sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
 
 
@@ -327,6 +349,9 @@ class HookSet:
                     self._handles.append(layer.module.register_forward_hook(
                         partial(recorder.on_forward, layer.index)))
             self._handles.append(root.register_forward_hook(recorder.on_root_forward))
+            if recorder.local_view:
+                for i, p in enumerate(recorder.params):
+                    self._handles.append(p.register_post_accumulate_grad_hook(partial(recorder.on_local_grad, i)))
             self._handles.append(register_optimizer_step_pre_hook(recorder.on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(recorder.on_optimizer_post))
         except BaseException:

@@ -50,6 +50,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_ddp(model: nn.Module) -> bool:
+    return type(model).__name__ == "DistributedDataParallel" and isinstance(getattr(model, "module", None), nn.Module)
+
+
 def _type_matches(module: nn.Module, wanted: Sequence[object]) -> bool:
     if not wanted:
         return True

@@ -59,6 +59,12 @@ GRAD_GLOBAL_NORM = _spec("grad_global_norm", "gauge", (),
                          "L2 norm over all monitored parameter gradients at the last step (pre-clip).")
 GRAD_GLOBAL_NORM_DISTRIBUTION = _spec("grad_global_norm_distribution", "histogram", (),
                                       "Global gradient norm of every optimizer step, log-bucketed; never reset.")
+LOCAL_GRAD_NORM = _spec("local_grad_norm", "gauge", ("layer",),
+                        "L2 norm of this rank's own gradient of the layer before DDP's all-reduce (multi-rank jobs).")
+LOCAL_GRAD_GLOBAL_NORM = _spec("local_grad_global_norm", "gauge", (),
+                               "L2 norm of this rank's own gradient before DDP's all-reduce: the per-rank signal of a bad rank.")
+LOCAL_NONFINITE = _spec("local_nonfinite", "counter", ("layer", "kind"),
+                        "Non-finite elements in this rank's own gradient before DDP's all-reduce.")
 GRAD_FLOW_NORM = _spec("grad_flow_norm", "gauge", ("layer",),
                        "L2 norm of the gradient with respect to the layer's output at the last detail step.")
 ACTIVATION_RMS = _spec("activation_rms", "gauge", ("layer",),

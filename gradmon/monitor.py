@@ -22,7 +22,7 @@ from .config import Config
 from .errors import ErrorLog
 from .hooks import HookSet, Recorder
 from .identity import RankInfo, detect
-from .layers import discover, has_trainable_parameters, unwrap
+from .layers import discover, has_trainable_parameters, is_ddp, unwrap
 from .snapshot import Aggregator, Publisher, Snapshot
 
 log = logging.getLogger("gradmon")
@@ -168,8 +168,9 @@ class Monitor:
         self._labels = {"model": self.name, "rank": str(self.rank.rank), **cfg.labels}
         families = [M.FAMILY_GRAD] + ([M.FAMILY_GRAD_FLOW] if cfg.grad_flow else []) + (
             [M.FAMILY_ACTIVATION] if cfg.activations else [])
-        recorder = Recorder(layers, cfg, self._errors, self._publish)
-        aggregator = Aggregator(self._layer_names, recorder.param_layer, families, self.name)
+        local_view = cfg.local_view if cfg.local_view is not None else is_ddp(model)
+        recorder = Recorder(layers, cfg, self._errors, self._publish, local_view)
+        aggregator = Aggregator(self._layer_names, recorder.param_layer, families, self.name, local_view)
         self._recorder = recorder
         self._publisher = Publisher(aggregator, self._errors, self._set_snapshot, self.name)
         try:

@@ -30,7 +30,8 @@ class StepPacket:
     ``data`` holds, in order: 3*P values (sum of squares, NaN, Inf per parameter
     gradient listed in ``grad_params``), 2*R activation floats and 2*R activation counts
     (one pair per entry of ``act_meta``), Q grad-flow sums of squares and 2*Q counts
-    (one per entry of ``flow_meta``).
+    (one per entry of ``flow_meta``), L local sums of squares and 2*L local counts (one
+    per entry of ``local_params``).
     """
 
     index: int
@@ -41,6 +42,7 @@ class StepPacket:
     grad_params: Tuple[int, ...] = ()
     act_meta: Tuple[Tuple[int, int], ...] = ()  # (layer index, numel) per forward call
     flow_meta: Tuple[int, ...] = ()  # layer index per grad-flow hook call
+    local_params: Tuple[int, ...] = ()  # parameters with a local (pre-all-reduce) record
     sampled: bool = True
     detail: bool = False
 
@@ -69,6 +71,10 @@ class Snapshot:
     histogram_sum: float = 0.0
     histogram_count: int = 0
     uncovered: Tuple[Tuple[str, int], ...] = ()  # family, layers it cannot observe
+    local_view: bool = False
+    local_global_norm: Optional[float] = None
+    local_grad_norm: Tuple[Tuple[str, float], ...] = ()
+    local_nonfinite: Tuple[Tuple[str, str, int], ...] = ()  # layer, kind, count
     coverage: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
 
 
@@ -83,7 +89,7 @@ class Aggregator:
     """Cumulative state of one monitor. Used only by the publisher thread."""
 
     def __init__(self, layer_names: Sequence[str], param_layer: Sequence[int],
-                 families: Sequence[str], model: str) -> None:
+                 families: Sequence[str], model: str, local_view: bool = False) -> None:
         self.layer_names = tuple(layer_names)
         self.param_layer = tuple(param_layer)
         self.families = tuple(families)  # enabled families
@@ -105,6 +111,10 @@ class Aggregator:
         self.hist_sum = 0.0
         self.hist_count = 0
         self.seen: Dict[str, set] = {f: set() for f in M.FAMILIES}
+        self.local_view = local_view
+        self.local_nonfinite: List[List[int]] = [[0, 0] for _ in range(n)]
+        self.local_grad_norm: List[Optional[float]] = [None] * n
+        self.local_global_norm: Optional[float] = None
         self.detail_backward_steps = 0
         self._gaps_logged = False
         self.generation = 0
@@ -125,6 +135,8 @@ class Aggregator:
         any_bad |= self._fold_activations(packet.act_meta, values, offset)
         offset += 4 * len(packet.act_meta)
         any_bad |= self._fold_grad_flow(packet.flow_meta, values, offset)
+        offset += 3 * len(packet.flow_meta)
+        any_bad |= self._fold_local(packet.local_params, values, offset)
         if any_bad:
             self.nonfinite_steps += 1
         if packet.detail and packet.grad_params:
@@ -191,6 +203,26 @@ class Aggregator:
         self.seen[M.FAMILY_GRAD_FLOW].update(acc)
         return bad
 
+    def _fold_local(self, params: Sequence[int], v: List[float], o: int) -> bool:
+        if not params:
+            return False
+        n = len(params)
+        layer_sq: Dict[int, float] = {}
+        bad = False
+        for k, param in enumerate(params):
+            layer = self.param_layer[param]
+            layer_sq[layer] = layer_sq.get(layer, 0.0) + v[o + k]
+            nan, inf = v[o + n + 2 * k], v[o + n + 2 * k + 1]
+            if nan or inf:
+                cell = self.local_nonfinite[layer]
+                cell[0] += int(nan)
+                cell[1] += int(inf)
+                bad = True
+        for layer, sq in layer_sq.items():
+            self.local_grad_norm[layer] = math.sqrt(sq)
+        self.local_global_norm = math.sqrt(sum(layer_sq.values()))
+        return bad
+
     def _observe(self, norm: float) -> None:
         # A non-finite norm is already counted by the non-finite counters; observing it
         # would turn _sum into Inf/NaN for the rest of the process.
@@ -255,7 +287,11 @@ class Aggregator:
             activation_abs_max=pairs(self.activation_abs_max), nonfinite=nonfinite,
             nonfinite_steps=self.nonfinite_steps, histogram=tuple(cumulative),
             histogram_sum=self.hist_sum, histogram_count=self.hist_count,
-            uncovered=tuple(sorted(self.uncovered().items())), coverage=self.coverage())
+            uncovered=tuple(sorted(self.uncovered().items())), coverage=self.coverage(),
+            local_view=self.local_view, local_global_norm=self.local_global_norm,
+            local_grad_norm=pairs(self.local_grad_norm),
+            local_nonfinite=tuple((names[i], kind, cell[k]) for i, cell in enumerate(self.local_nonfinite)
+                                  for k, kind in enumerate(M.NONFINITE_KINDS)) if self.local_view else ())
 
 
 _STOP = object()

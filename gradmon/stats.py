@@ -46,6 +46,12 @@ def _host_says_finite(norms: torch.Tensor) -> bool:
     return all(map(math.isfinite, values if isinstance(values, list) else [values]))
 
 
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    # Sparse gradients (nn.Embedding(sparse=True)) carry duplicate indices until
+    # coalesced; their values hold every element that is not an implicit zero.
+    return g.coalesce().values() if g.is_sparse else g
+
+
 def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(float32 [sum of squares, max|x|], int64 [nan, inf]) of one layer output."""
     x = x.detach()
@@ -58,17 +64,13 @@ def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.stack((norm * norm, amax)), counts
 
 
-def grad_flow_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(float32 [sum of squares], int64 [nan, inf]) of the gradient w.r.t. one output."""
+def gradient_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [sum of squares], int64 [nan, inf]) of one gradient: w.r.t. a layer's
+    output (gradient flow), or one parameter's own gradient before DDP's all-reduce."""
+    g = _dense(g)
     norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
     counts = _ZERO_COUNTS if _host_says_finite(norm) else _counts(g)
     return (norm * norm).reshape(1), counts
-
-
-def _dense(g: torch.Tensor) -> torch.Tensor:
-    # Sparse gradients (nn.Embedding(sparse=True)) carry duplicate indices until
-    # coalesced; their values hold every element that is not an implicit zero.
-    return g.coalesce().values() if g.is_sparse else g
 
 
 def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:

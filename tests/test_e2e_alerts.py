@@ -170,7 +170,7 @@ def panel_queries():
 def test_every_dashboard_query_returns_data(stack, outcome, board, title, expr):
     prom = stack[0]
     if (board, title) in NEEDS_MULTI_RANK:
-        pytest.skip("needs a multi-rank DDP job's gradmon_local_* series (issue 4)")
+        pytest.skip("needs a multi-rank DDP job's gradmon_local_* series: checked in test_multigpu.py")
     result = prom.query(substitute(expr))
     assert result, f"{board} / {title}: {substitute(expr)} returned nothing"
 

@@ -226,7 +226,7 @@ def test_context_manager_detaches_on_error():
 
 @pytest.mark.parametrize("target, stage", [
     ("activation_record", "forward"),
-    ("grad_flow_record", "grad_flow"),
+    ("gradient_record", "grad_flow"),
     ("param_grad_stats", "backward"),
     ("pack", "step"),
 ])

@@ -44,6 +44,10 @@ CASES = {
         [series("gradmon_nonfinite_total", "0 0 0 3 3 3 3", rank="0", layer="blocks.3.fc", tensor="grad", kind="nan"),
          series("gradmon_nonfinite_total", "0x6", rank="0", layer="head", tensor="grad", kind="nan")],
         [alert("GradmonNonFiniteGradients", "4m", ("critical", target(rank="0", layer="blocks.3.fc", tensor="grad")))]),
+    "nonfinite_names_the_rank_whose_own_gradient_went_nan": (
+        [series("gradmon_local_nonfinite_total", "0 0 5 5 5", rank="3", layer="embed", kind="nan"),
+         series("gradmon_local_nonfinite_total", "0x4", rank="0", layer="embed", kind="nan")],
+        [alert("GradmonNonFiniteGradients", "3m", ("critical", target(rank="3", layer="embed", tensor="local_grad")))]),
     "nonfinite_silent_when_counters_stay_at_zero": (
         [series("gradmon_nonfinite_total", "0x10", rank="0", layer="head", tensor="grad", kind="nan")],
         [alert("GradmonNonFiniteGradients", "8m")]),

@@ -1,0 +1,83 @@
+"""A DDP training rank for the multi-process tests (spawned with torch.multiprocessing).
+
+Rank r trains on its own deterministic batches; the test drives it through phases by
+files in ``work``: the rank writes ``<phase>.<rank>.ready`` after the phase and waits
+for ``<phase>.go`` before the next, so the test can scrape both endpoints in between.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(rank: int, step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(4, 6, generator=g)
+
+
+def train_step(model, opt, rank: int, step: int, loss_scale: float = 1.0, nan: bool = False) -> None:
+    """Two micro-batches, the first under no_sync (gradient accumulation). ``loss_scale``
+    makes this rank's shard behave like one with outsized targets."""
+    for micro in range(2):
+        x = batch(rank, step, micro)
+        if nan:
+            x[0, 0] = float("nan")
+        ctx = model.no_sync() if micro == 0 else torch.enable_grad()
+        with ctx:
+            (model(x).pow(2).mean() / 2 * loss_scale).backward()
+    for p in model.parameters():  # the job's NaN guard, after gradmon looked
+        torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def wait_for(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.05)
+
+
+def run(rank: int, world: int, work: str, master_port: int, gradmon_port: int, plan: list, fail_rank: int = -1) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world)
+    import gradmon
+    from gradmon import stats
+
+    if rank == fail_rank:  # gradmon's own computation fails on this rank only
+        def boom(*a, **k):
+            raise RuntimeError("injected failure on one rank")
+        stats.param_grad_stats = boom
+    work_dir = Path(work)
+    model = DDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = gradmon.attach(model, port=gradmon_port, addr="127.0.0.1", final_scrape_timeout=0, detail_every=1)
+    step = 0
+    for phase in plan:  # [{"name":..., "steps":..., "loss_scale_by_rank":..., "nan_rank":..., "delay":...}]
+        for group in opt.param_groups:
+            group["lr"] = phase.get("lr", 0.05)
+        for _ in range(phase["steps"]):
+            train_step(model, opt, rank, step, phase.get("loss_scale_by_rank", {}).get(str(rank), 1.0),
+                       nan=phase.get("nan_rank") == rank and step == phase.get("nan_step"))
+            step += 1
+            time.sleep(phase.get("delay", 0))
+        mon.flush()
+        (work_dir / f"{phase['name']}.{rank}.ready").write_text(json.dumps({"url": mon.url, "step": step}))
+        wait_for(work_dir / f"{phase['name']}.go")
+    mon.detach()
+    dist.destroy_process_group()

@@ -1,0 +1,159 @@
+"""Multi-rank jobs for real: two processes, gloo, DistributedDataParallel, on the CPU (issue 4)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import yaml
+
+import ddp_worker
+from conftest import scrape, value
+from servers import Prometheus, free_port
+
+pytestmark = pytest.mark.slow
+WORLD = 2
+
+
+class Job:
+    """Two DDP ranks driven phase by phase; each rank serves on base port + local rank."""
+
+    def __init__(self, work: Path, plan: list, fail_rank: int = -1) -> None:
+        self.work, self.plan = work, plan
+        self.base = free_port()
+        while True:  # base and base+1 both free
+            try:
+                import socket
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", self.base + 1))
+                break
+            except OSError:
+                self.base = free_port()
+        self.ctx = mp.start_processes(ddp_worker.run, args=(WORLD, str(work), free_port(), self.base, plan, fail_rank),
+                                      nprocs=WORLD, join=False, start_method="spawn")
+
+    def reached(self, phase: str, timeout: float = 120) -> list:
+        deadline = time.monotonic() + timeout
+        files = [self.work / f"{phase}.{r}.ready" for r in range(WORLD)]
+        while not all(f.exists() for f in files):
+            assert time.monotonic() < deadline, f"ranks did not reach {phase}"
+            assert all(p.is_alive() for p in self.ctx.processes), "a rank died"
+            time.sleep(0.1)
+        return [json.loads(f.read_text()) for f in files]
+
+    def go(self, phase: str) -> None:
+        (self.work / f"{phase}.go").write_text("")
+
+    def finish(self, timeout: float = 60) -> None:
+        for phase in self.plan:
+            self.go(phase["name"])
+        deadline = time.monotonic() + timeout
+        while not self.ctx.join(1):  # returns as each rank exits; True once all have
+            assert time.monotonic() < deadline, "ranks did not finish in time"
+
+
+def reference_norms(steps: int):
+    """Single process on the concatenated batch: the reduced gradient DDP must produce,
+    and each rank's own gradient at the same weights."""
+    model = ddp_worker.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def grads_for(ranks):
+        model.zero_grad()
+        for micro in range(2):
+            x = torch.cat([ddp_worker.batch(r, step, micro) for r in ranks])
+            (model(x).pow(2).mean() / 2).backward()
+        return {str(i): math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model[i].parameters()))
+                for i in (0, 2, 4)}
+
+    for step in range(steps):
+        local = {r: grads_for([r]) for r in range(WORLD)}
+        reduced = grads_for(list(range(WORLD)))  # mean over the concatenated batch = DDP's average
+        opt.step()
+    return reduced, local
+
+
+def test_ddp_reduced_and_local_views_match_single_process_reference(tmp_path):
+    job = Job(tmp_path, [{"name": "clean", "steps": 3}])
+    try:
+        ready = job.reached("clean")
+        assert [r["url"].rsplit(":", 1)[1].split("/")[0] for r in ready] == [str(job.base), str(job.base + 1)]
+        scraped = [scrape(r["url"]) for r in ready]
+    finally:
+        job.finish()
+    reduced, local = reference_norms(3)
+    for rank, s in enumerate(scraped):
+        assert value(s, "gradmon_world_size") == 2
+        assert value(s, "gradmon_steps_total") == 3  # two micro-batches, one sample per step
+        for layer, want in reduced.items():
+            assert math.isclose(value(s, "gradmon_grad_norm", layer=layer), want, rel_tol=1e-5), (rank, layer)
+            assert math.isclose(value(s, "gradmon_local_grad_norm", layer=layer), local[rank][layer], rel_tol=1e-5), (rank, layer)
+        assert local[0] != local[1]  # the local views really differ per rank
+
+
+def test_ddp_nan_in_one_ranks_data_is_named_by_that_ranks_local_counters(tmp_path):
+    job = Job(tmp_path, [{"name": "nan", "steps": 4, "nan_rank": 1, "nan_step": 2}])
+    try:
+        ready = job.reached("nan")
+        s0, s1 = (scrape(r["url"]) for r in ready)
+    finally:
+        job.finish()
+    assert value(s1, "gradmon_local_nonfinite_total", layer="0", kind="nan") > 0
+    assert all(value(s0, "gradmon_local_nonfinite_total", layer=l, kind=k) == 0
+               for l in ("0", "2", "4") for k in ("nan", "inf"))
+    # after the all-reduce both ranks hold the NaN: only the local view tells them apart
+    assert value(s0, "gradmon_nonfinite_total", layer="0", tensor="grad", kind="nan") > 0
+    assert value(s1, "gradmon_nonfinite_total", layer="0", tensor="grad", kind="nan") > 0
+
+
+def test_gradmon_failing_on_one_rank_never_hangs_the_job(tmp_path):
+    t0 = time.monotonic()
+    job = Job(tmp_path, [{"name": "run", "steps": 5}], fail_rank=1)
+    try:
+        s0, s1 = (scrape(r["url"]) for r in job.reached("run"))
+    finally:
+        job.finish()
+    assert time.monotonic() - t0 < 120
+    assert value(s1, "gradmon_hook_errors_total", stage="backward") >= 5
+    assert value(s1, "gradmon_steps_total") == 5 and value(s0, "gradmon_steps_total") == 5
+    assert value(s0, "gradmon_hook_errors_total", stage="backward") == 0
+
+
+def test_one_prometheus_scrapes_both_ranks_and_a_diverging_rank_fires_the_rule(tmp_path):
+    from gradmon import alerting
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump(alerting.rule_groups(
+        replace(alerting.Thresholds(), warmup_steps=5), alerting.PRODUCTION.scaled(alerting.TEST_SCALE))))
+    prom = Prometheus(tmp_path, "1s", [rules])
+    job = Job(tmp_path, [{"name": "diverge", "steps": 150, "delay": 0.05, "loss_scale_by_rank": {"1": 50.0}, "lr": 0.0}])
+    try:
+        prom.set_targets([{"targets": [f"127.0.0.1:{job.base}", f"127.0.0.1:{job.base + 1}"],
+                           "labels": {"job": "ddp"}}])
+        deadline = time.monotonic() + 90
+        firing = []
+        while time.monotonic() < deadline and not firing:
+            firing = prom.query('ALERTS{alertname="GradmonRankDivergence", alertstate="firing"}')
+            time.sleep(0.5)
+        by_rank = {s["metric"]["rank"] for s in prom.query('gradmon_local_grad_global_norm{job="ddp"}')}
+        panels = {}
+        for board in ("ranks",):
+            for panel in json.loads((Path(__file__).resolve().parents[1] / "dashboards" / f"{board}.json").read_text())["panels"]:
+                if "local" in panel["title"].lower():
+                    expr = panel["targets"][0]["expr"]
+                    for var, val in (("$job", "(ddp)"), ("$model", "(sequential)"), ("$rank", "(0|1)"),
+                                     ("$__rate_interval", "4s")):
+                        expr = expr.replace(var, val)
+                    panels[panel["title"]] = prom.query(expr)
+        job.reached("diverge")
+    finally:
+        job.finish()
+        prom.stop()
+    assert by_rank == {"0", "1"}
+    assert [a["metric"]["rank"] for a in firing] == ["1"]
+    assert len(panels) == 2 and all(panels.values()), panels  # the Ranks dashboard's multi-rank panels
