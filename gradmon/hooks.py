@@ -33,7 +33,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import stats
+from . import sharded, stats
 from .config import Config
 from .errors import ErrorLog
 from .layers import Layer, is_floating
@@ -91,6 +91,8 @@ class Recorder:
         self.params: List[nn.Parameter] = [p for layer in layers for p in layer.params]
         self.param_layer: Tuple[int, ...] = tuple(layer.index for layer in layers for _ in layer.params)
         self._param_ids = frozenset(id(p) for p in self.params)
+        self._shard_groups = sharded.plan(self.params)
+        self._measure_failed = False
         self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self._primary: Optional[weakref.ref] = None
         self.active = True
@@ -208,6 +210,7 @@ class Recorder:
         try:
             self._measure_grads()
         except Exception as exc:
+            self._measure_failed = True
             self.errors.record("backward", exc)
         finally:
             self._fresh_backward = True  # even if measuring failed: the step must still count
@@ -220,7 +223,7 @@ class Recorder:
             g = p.grad
             if g is not None:
                 present.append(i)
-                grads.append(g)
+                grads.append(sharded.local(g))  # a shard's own elements; summed at the step
         if not grads:
             self._grad = None
             return
@@ -251,6 +254,7 @@ class Recorder:
                 self._fresh_backward = True
                 self._measure_grads()
         except Exception as exc:
+            self._measure_failed = True
             self.errors.record("step", exc)
         finally:
             self.overhead += perf_counter() - t0
@@ -291,6 +295,8 @@ class Recorder:
         index = self.steps
         global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
         packet = StepPacket(index, global_step, time.time())
+        if self._shard_groups:
+            self._reduce_shards()
         try:
             packet = self._build_packet(packet)
         except Exception as exc:
@@ -300,12 +306,23 @@ class Recorder:
         except Exception as exc:  # pragma: no cover - SimpleQueue.put does not fail
             self.errors.record("step", exc)
         self._grad = None
+        self._measure_failed = False
         self._fresh_backward = False
         self._last_step_by_optimizer = by_optimizer
         self._reset_records()
         self.steps += 1
         self.detail_now = self.steps % self.cfg.detail_every == 0
         self.overhead += perf_counter() - t0
+
+    def _reduce_shards(self) -> None:
+        """The step's collective: every rank calls it at every step, whatever failed before."""
+        block, order = self._grad if self._grad is not None else (None, ())
+        try:
+            block, _ok = sharded.all_reduce_columns(block, order, self._shard_groups, self._measure_failed)
+            self._grad = (block, order) if block is not None else None
+        except Exception as exc:
+            self._grad = None
+            self.errors.record("step", exc)
 
     def _build_packet(self, packet: StepPacket) -> StepPacket:
         parts: List[torch.Tensor] = []

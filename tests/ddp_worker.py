@@ -81,3 +81,47 @@ def run(rank: int, world: int, work: str, master_port: int, gradmon_port: int, p
         wait_for(work_dir / f"{phase['name']}.go")
     mon.detach()
     dist.destroy_process_group()
+
+
+def make_fsdp_model() -> nn.Module:
+    torch.manual_seed(0)
+    # 7 output rows over 2 ranks: shards of 4 and 3 rows (uneven)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: int, steps: int, fail_rank: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import gradmon
+    from gradmon import stats
+
+    if rank == fail_rank:
+        def boom(*a, **k):
+            raise RuntimeError("injected failure on one rank")
+        stats.param_grad_stats = boom
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_fsdp_model()
+    for sub in model:
+        if isinstance(sub, nn.Linear):
+            fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = gradmon.attach(model, port=gradmon_port, addr="127.0.0.1", final_scrape_timeout=0)
+    for step in range(steps):
+        x = fsdp_batch(rank, step)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    mon.flush()
+    (Path(work) / f"fsdp.{rank}.ready").write_text(json.dumps({"url": mon.url, "step": steps}))
+    wait_for(Path(work) / "fsdp.go")
+    mon.detach()
+    dist.destroy_process_group()
+
+
+def fsdp_batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))

@@ -157,3 +157,44 @@ def test_one_prometheus_scrapes_both_ranks_and_a_diverging_rank_fires_the_rule(t
     assert by_rank == {"0", "1"}
     assert [a["metric"]["rank"] for a in firing] == ["1"]
     assert len(panels) == 2 and all(panels.values()), panels  # the Ranks dashboard's multi-rank panels
+
+
+def fsdp_job(work: Path, steps: int, fail_rank: int = -1):
+    base = free_port()
+    ctx = mp.start_processes(ddp_worker.run_fsdp, args=(WORLD, str(work), free_port(), base, steps, fail_rank),
+                             nprocs=WORLD, join=False, start_method="spawn")
+    job = Job.__new__(Job)
+    job.work, job.plan, job.base, job.ctx = work, [{"name": "fsdp"}], base, ctx
+    return job
+
+
+def test_fsdp2_per_layer_norms_equal_the_unsharded_gradient_with_uneven_shards(tmp_path):
+    job = fsdp_job(tmp_path, steps=3)
+    try:
+        scraped = [scrape(r["url"]) for r in job.reached("fsdp")]
+    finally:
+        job.finish()
+    model = ddp_worker.make_fsdp_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        model.zero_grad()
+        model(torch.cat([ddp_worker.fsdp_batch(r, step) for r in range(WORLD)])).pow(2).mean().backward()
+        want = {str(i): math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model[i].parameters())) for i in (0, 2)}
+        opt.step()
+    for rank, s in enumerate(scraped):
+        for layer, norm in want.items():
+            assert math.isclose(value(s, "gradmon_grad_norm", layer=layer), norm, rel_tol=1e-5), (rank, layer)
+        assert math.isclose(value(s, "gradmon_grad_global_norm"), math.sqrt(sum(v * v for v in want.values())), rel_tol=1e-5)
+
+
+def test_fsdp2_gradmon_failing_on_one_rank_still_joins_the_collective(tmp_path):
+    t0 = time.monotonic()
+    job = fsdp_job(tmp_path, steps=4, fail_rank=1)
+    try:
+        s0, s1 = (scrape(r["url"]) for r in job.reached("fsdp", timeout=60))
+    finally:
+        job.finish()
+    assert time.monotonic() - t0 < 90  # nobody waited forever in an all-reduce
+    assert value(s1, "gradmon_hook_errors_total", stage="backward") == 4
+    assert value(s0, "gradmon_steps_total") == 4 and value(s1, "gradmon_steps_total") == 4
+    assert math.isnan(value(s0, "gradmon_grad_global_norm"))  # rank 0 dropped values it could not complete

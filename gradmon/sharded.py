@@ -1,0 +1,105 @@
+"""Full-gradient statistics of sharded parameters (FSDP2 ``fully_shard``, DTensor).
+
+Each rank holds a shard of every gradient. At the end of backward gradmon reduces only
+the local shard (``to_local()``, no communication: a collective inside an autograd
+callback could hang a rank). At the step boundary, on the training thread and on every
+rank, one small all-reduce (SUM) per group of parameters sharing a device mesh and
+sharded mesh dimensions turns the local sums of squares and NaN/Inf counts into the
+full gradient's. Only mesh dimensions whose placement is ``Shard`` are summed: HSDP's
+replicate dimension and tensor-parallel ``Replicate`` placements hold copies, and
+summing them would count the gradient twice. Uneven shards need nothing special: a
+sum of squares is a sum over whatever elements each rank holds.
+
+If gradmon's own computation fails on one rank, that rank still calls the same
+collectives with zeros and an error flag, so no rank ever waits for another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5 kept it private
+        try:
+            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    return DTensor
+
+
+def is_sharded(t: object) -> bool:
+    dt = _dtensor_type()
+    return dt is not None and isinstance(t, dt)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own shard of a DTensor (no communication); other tensors unchanged."""
+    return t.to_local() if is_sharded(t) else t
+
+
+@dataclass
+class ShardGroup:
+    """Parameters whose gradients are sharded over the same mesh dimensions."""
+
+    mesh: object
+    dims: Tuple[int, ...]
+    device: torch.device  # where the process group's collectives take tensors
+    params: List[int]  # indices into the recorder's parameter list
+
+
+def plan(params: Sequence[torch.Tensor]) -> List[ShardGroup]:
+    """Fixed at attach, identical on every rank (same model, same order)."""
+    groups: Dict[Tuple[int, Tuple[int, ...]], ShardGroup] = {}
+    for i, p in enumerate(params):
+        if not is_sharded(p):
+            continue
+        dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
+        if not dims:
+            continue
+        key = (id(p.device_mesh), dims)
+        groups.setdefault(key, ShardGroup(p.device_mesh, dims, p.to_local().device, [])).params.append(i)
+    return list(groups.values())
+
+
+def all_reduce_columns(block: Optional[torch.Tensor], order: Sequence[int], groups: Sequence[ShardGroup],
+                       failed: bool) -> Tuple[Optional[torch.Tensor], bool]:
+    """Sum the sharded parameters' columns of ``block`` (3 x n, column j = parameter
+    ``order[j]``) over their shard groups. Returns the block and whether every rank's
+    contribution was valid. Called on every rank at every step, whatever happened before."""
+    import torch.distributed as dist
+
+    column = {param: j for j, param in enumerate(order)} if block is not None and not failed else {}
+    ok = True  # False when any rank (this one included) had no valid numbers
+    for group in groups:
+        device = group.device
+        vec = torch.zeros(3 * len(group.params) + 1, dtype=torch.float64, device=device)
+        if failed:
+            vec[-1] = 1.0  # "my numbers are missing": every rank discards this step's values
+        elif block is not None:
+            for k, param in enumerate(group.params):
+                j = column.get(param)
+                if j is not None:
+                    vec[3 * k:3 * k + 3] = block[:, j].to(device=device, dtype=torch.float64)
+        for dim in group.dims:
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group.mesh.get_group(dim))
+        if failed:
+            ok = False
+            continue
+        if block is None:
+            continue
+        # Another rank's missing numbers poison the sum: drop this step's values (norm
+        # NaN, counts 0) without reading the flag on the host, which would sync on CUDA.
+        valid = vec[-1] == 0
+        for k, param in enumerate(group.params):
+            j = column.get(param)
+            if j is not None:
+                sums = vec[3 * k:3 * k + 3]
+                dropped = torch.tensor([float("nan"), 0.0, 0.0], dtype=vec.dtype, device=device)
+                block[:, j] = torch.where(valid, sums, dropped).to(device=block.device, dtype=block.dtype)
+    return block, ok
