@@ -89,7 +89,9 @@ def make_fsdp_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
 
 
-def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: int, steps: int, fail_rank: int) -> None:
+def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: int, steps: int, fail_rank: int,
+             replicas: int = 1) -> None:
+    """FSDP2 over ``world`` ranks; ``replicas`` > 1 makes it HSDP: a (replicate, shard) mesh."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world)
@@ -103,7 +105,8 @@ def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: i
         def boom(*a, **k):
             raise RuntimeError("injected failure on one rank")
         stats.param_grad_stats = boom
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world,)) if replicas == 1 else \
+        init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     model = make_fsdp_model()
     for sub in model:
         if isinstance(sub, nn.Linear):

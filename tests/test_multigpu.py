@@ -38,9 +38,9 @@ class Job:
         self.ctx = mp.start_processes(ddp_worker.run, args=(WORLD, str(work), free_port(), self.base, plan, fail_rank),
                                       nprocs=WORLD, join=False, start_method="spawn")
 
-    def reached(self, phase: str, timeout: float = 120) -> list:
+    def reached(self, phase: str, timeout: float = 120, world: int = WORLD) -> list:
         deadline = time.monotonic() + timeout
-        files = [self.work / f"{phase}.{r}.ready" for r in range(WORLD)]
+        files = [self.work / f"{phase}.{r}.ready" for r in range(world)]
         while not all(f.exists() for f in files):
             assert time.monotonic() < deadline, f"ranks did not reach {phase}"
             assert all(p.is_alive() for p in self.ctx.processes), "a rank died"
@@ -159,26 +159,28 @@ def test_one_prometheus_scrapes_both_ranks_and_a_diverging_rank_fires_the_rule(t
     assert len(panels) == 2 and all(panels.values()), panels  # the Ranks dashboard's multi-rank panels
 
 
-def fsdp_job(work: Path, steps: int, fail_rank: int = -1):
+def fsdp_job(work: Path, steps: int, fail_rank: int = -1, world: int = WORLD, replicas: int = 1):
     base = free_port()
-    ctx = mp.start_processes(ddp_worker.run_fsdp, args=(WORLD, str(work), free_port(), base, steps, fail_rank),
-                             nprocs=WORLD, join=False, start_method="spawn")
+    ctx = mp.start_processes(ddp_worker.run_fsdp, args=(world, str(work), free_port(), base, steps, fail_rank, replicas),
+                             nprocs=world, join=False, start_method="spawn")
     job = Job.__new__(Job)
     job.work, job.plan, job.base, job.ctx = work, [{"name": "fsdp"}], base, ctx
     return job
 
 
-def test_fsdp2_per_layer_norms_equal_the_unsharded_gradient_with_uneven_shards(tmp_path):
-    job = fsdp_job(tmp_path, steps=3)
+@pytest.mark.parametrize("world, replicas", [(2, 1), (4, 2)], ids=["fsdp2-uneven", "hsdp-2x2"])
+def test_fsdp2_per_layer_norms_equal_the_unsharded_gradient_with_uneven_shards(tmp_path, world, replicas):
+    """HSDP's replicate dimension holds copies: summing over it would double the norm."""
+    job = fsdp_job(tmp_path, steps=3, world=world, replicas=replicas)
     try:
-        scraped = [scrape(r["url"]) for r in job.reached("fsdp")]
+        scraped = [scrape(r["url"]) for r in job.reached("fsdp", world=world)]
     finally:
         job.finish()
     model = ddp_worker.make_fsdp_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(3):
         model.zero_grad()
-        model(torch.cat([ddp_worker.fsdp_batch(r, step) for r in range(WORLD)])).pow(2).mean().backward()
+        model(torch.cat([ddp_worker.fsdp_batch(r, step) for r in range(world)])).pow(2).mean().backward()
         want = {str(i): math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model[i].parameters())) for i in (0, 2)}
         opt.step()
     for rank, s in enumerate(scraped):
