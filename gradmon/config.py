@@ -82,6 +82,17 @@ class Config:
     disable: bool = False
     """Kill switch: ``attach()`` registers nothing, starts no thread, returns an inert handle."""
 
+    series_budget: int = 2000
+    """Most per-layer series one process exports. Past it, layers are grouped by
+    module-name prefix (fixed at attach; see gradmon_grouped_layers), so that a
+    1,000-layer model on 1,024 ranks cannot flood Prometheus."""
+
+    on_nonfinite: Optional[Callable[["object"], None]] = None
+    """Called with a :class:`gradmon.NonFiniteIncident` when a run of non-finite steps
+    starts (rank, step, the layer where it started), so a job can checkpoint or stop
+    itself. It runs on gradmon's publisher thread, as soon as the step's statistics
+    reach the host; exceptions it raises are caught and counted."""
+
     final_scrape_timeout: float = 30.0
     """Seconds ``detach()`` waits for one more scrape, so that Prometheus sees the run
     state "finished" and a job that ended normally does not page as stalled or missing.
@@ -90,7 +101,7 @@ class Config:
     usual 15-30 s scrape intervals."""
 
     log_every_incident: bool = False
-    """Log every non-finite incident rather than only the first per layer."""
+    """Log every non-finite step, not only the first of each run of non-finite steps."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -129,6 +140,10 @@ def _validate(cfg: Config) -> None:
     if not isinstance(cfg.final_scrape_timeout, (int, float)) or isinstance(cfg.final_scrape_timeout, bool) \
             or not 0 <= cfg.final_scrape_timeout <= 3600:
         _fail("final_scrape_timeout", f"must be a number of seconds in 0..3600, got {cfg.final_scrape_timeout!r}")
+    if not isinstance(cfg.series_budget, int) or isinstance(cfg.series_budget, bool) or cfg.series_budget < 20:
+        _fail("series_budget", f"must be an integer of at least 20 series, got {cfg.series_budget!r}")
+    if cfg.on_nonfinite is not None and not callable(cfg.on_nonfinite):
+        _fail("on_nonfinite", f"must be callable (it receives a NonFiniteIncident), got {cfg.on_nonfinite!r}")
     if cfg.name is not None and (not isinstance(cfg.name, str) or not cfg.name):
         _fail("name", f"must be a non-empty string, got {cfg.name!r}")
     if cfg.registry is not None and not hasattr(cfg.registry, "register"):
@@ -194,6 +209,7 @@ _ENV_PARSERS: Dict[str, Callable[[str, str], Any]] = {
     "labels": _parse_labels,
     "name": lambda n, r: r.strip() or None,
     "disable": _parse_bool,
+    "series_budget": _parse_int,
     "final_scrape_timeout": _parse_float,
     "log_every_incident": _parse_bool,
 }

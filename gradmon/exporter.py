@@ -33,6 +33,9 @@ class ExportView:
     overhead_seconds: float
     run_state: str
     info: Mapping[str, str]  # version, torch_version, world_size
+    reduced_per_layer: bool = True
+    """False on ranks other than 0 when every rank holds the same reduced gradient
+    (DDP, FSDP): rank 0 carries those per-layer series, the others only their own."""
 
 
 ExportSource = Callable[[], ExportView]
@@ -82,10 +85,14 @@ def add_view(fam: _Families, view: ExportView) -> None:
         fam.add(M.LAST_STEP_TIMESTAMP, base, s.last_step_time)
     if s.global_norm is not None:
         fam.add(M.GRAD_GLOBAL_NORM, base, s.global_norm)
-    for spec, pairs in ((M.GRAD_NORM, s.grad_norm), (M.GRAD_FLOW_NORM, s.grad_flow_norm),
+    for spec, pairs in ((M.GRAD_NORM, s.grad_norm if view.reduced_per_layer else ()),
+                        (M.GRAD_FLOW_NORM, s.grad_flow_norm),
                         (M.ACTIVATION_RMS, s.activation_rms), (M.ACTIVATION_ABS_MAX, s.activation_abs_max)):
         for layer, value in pairs:
             fam.add(spec, _with(base, layer=layer), value)
+    for tensor, layer, step in s.nonfinite_origin:
+        fam.add(M.NONFINITE_ORIGIN, _with(base, tensor=tensor, layer=layer), step)
+    fam.add(M.GROUPED_LAYERS, base, s.grouped_layers)
     if s.local_global_norm is not None:
         fam.add(M.LOCAL_GRAD_GLOBAL_NORM, base, s.local_global_norm)
     for layer, value in s.local_grad_norm:
@@ -93,6 +100,8 @@ def add_view(fam: _Families, view: ExportView) -> None:
     for layer, kind, count in s.local_nonfinite:
         fam.add(M.LOCAL_NONFINITE, _with(base, layer=layer, kind=kind), count)
     for layer, tensor, kind, count in s.nonfinite:
+        if tensor == M.TENSOR_GRAD and not view.reduced_per_layer:
+            continue
         fam.add(M.NONFINITE, _with(base, layer=layer, tensor=tensor, kind=kind), count)
     fam.add(M.NONFINITE_STEPS, base, s.nonfinite_steps)
     for bound, cumulative in s.histogram:

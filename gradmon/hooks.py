@@ -92,6 +92,7 @@ class Recorder:
         self.param_layer: Tuple[int, ...] = tuple(layer.index for layer in layers for _ in layer.params)
         self._param_ids = frozenset(id(p) for p in self.params)
         self._shard_groups = sharded.plan(self.params)
+        self.sharded = bool(self._shard_groups)
         self._measure_failed = False
         self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self._primary: Optional[weakref.ref] = None

@@ -73,6 +73,11 @@ ACTIVATION_ABS_MAX = _spec("activation_abs_max", "gauge", ("layer",),
                            "Max |x| of the layer's output at the last detail step.")
 NONFINITE = _spec("nonfinite", "counter", ("layer", "tensor", "kind"),
                   "Non-finite (NaN or Inf) elements seen, by layer, tensor and kind.")
+NONFINITE_ORIGIN = _spec("nonfinite_origin_step", "gauge", ("tensor", "layer"),
+                         "Global step of the latest non-finite incident, on the layer where it started: first in "
+                         "forward order for tensor=activation, first in backward order for tensor=grad.")
+GROUPED_LAYERS = _spec("grouped_layers", "gauge", (),
+                       "Layers merged into module-name-prefix groups to stay within series_budget (0: none).")
 NONFINITE_STEPS = _spec("nonfinite_steps", "counter", (),
                         "Optimizer steps in which any monitored tensor held a non-finite element.")
 STEPS = _spec("steps", "counter", (), "Optimizer steps seen since attach.")

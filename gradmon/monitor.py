@@ -23,7 +23,8 @@ from .errors import ErrorLog
 from .hooks import HookSet, Recorder
 from .identity import RankInfo, detect
 from .layers import discover, has_trainable_parameters, is_ddp, unwrap
-from .snapshot import Aggregator, Publisher, Snapshot
+from .grouping import group_layers, per_layer_series
+from .snapshot import Aggregator, NonFiniteIncident, Publisher, Snapshot
 
 log = logging.getLogger("gradmon")
 
@@ -64,6 +65,7 @@ class Monitor:
         self._errors = ErrorLog(name or "disabled")
         self._snapshot = Snapshot()
         self._labels: Dict[str, str] = {}
+        self._reduced_per_layer = True
 
     # -- public surface --------------------------------------------------------------
 
@@ -170,7 +172,16 @@ class Monitor:
             [M.FAMILY_ACTIVATION] if cfg.activations else [])
         local_view = cfg.local_view if cfg.local_view is not None else is_ddp(model)
         recorder = Recorder(layers, cfg, self._errors, self._publish, local_view)
-        aggregator = Aggregator(self._layer_names, recorder.param_layer, families, self.name, local_view)
+        grouping = group_layers(self._layer_names, per_layer_series(families, local_view), cfg.series_budget)
+        if grouping.grouped_layers:
+            log.warning("gradmon[%s]: %d layers exceed series_budget=%d; exporting %d module-name-prefix "
+                        "groups instead (gradmon_grouped_layers)", self.name, len(layers), cfg.series_budget,
+                        len(grouping.names))
+        # Every rank holds the same reduced gradient under DDP/FSDP: rank 0 carries its per-layer series.
+        self._reduced_per_layer = self.rank.rank == 0 or self.rank.world_size == 1 or not (
+            local_view or recorder.sharded)
+        aggregator = Aggregator(grouping.names, recorder.param_layer, families, self.name, local_view,
+                                grouping.of_layer, self.rank.rank, self._on_incident)
         self._recorder = recorder
         self._publisher = Publisher(aggregator, self._errors, self._set_snapshot, self.name)
         try:
@@ -198,6 +209,18 @@ class Monitor:
             return
         self._endpoint.collector.add(id(self), self._export_view, self._errors.record)
 
+    def _on_incident(self, incident: NonFiniteIncident, starts: bool) -> None:
+        """Publisher thread: one log line per run of non-finite steps, and the user's callback."""
+        if starts or self.config.log_every_incident:
+            log.warning("gradmon[%s]: non-finite values on rank %d at step %d: gradient first in layer %s, "
+                        "activation first in layer %s", incident.model, incident.rank, incident.step,
+                        incident.grad_layer or "-", incident.activation_layer or "-")
+        if starts and self.config.on_nonfinite is not None:
+            try:
+                self.config.on_nonfinite(incident)
+            except Exception as exc:
+                self._errors.record("publish", exc)
+
     def _publish(self, item: object) -> None:
         if self._publisher is not None:
             self._publisher.put(item)
@@ -212,7 +235,8 @@ class Monitor:
             overhead_seconds=rec.overhead if rec is not None else 0.0,
             run_state=self._run_state,
             info={"version": _version(), "torch_version": torch.__version__,
-                  "world_size": str(self.rank.world_size)})
+                  "world_size": str(self.rank.world_size)},
+            reduced_per_layer=self._reduced_per_layer)
 
 
 def attach(model: nn.Module, **options: Any) -> Monitor:

@@ -55,6 +55,19 @@ class GlobalStepUpdate:
 
 
 @dataclass(frozen=True)
+class NonFiniteIncident:
+    """Where a run of non-finite steps started, as ``on_nonfinite`` receives it."""
+
+    model: str
+    rank: int
+    step: int
+    grad_layer: Optional[str]
+    """First layer in backward order whose gradient (flow or parameter) went non-finite."""
+    activation_layer: Optional[str]
+    """First layer in forward order whose output went non-finite (detail steps only)."""
+
+
+@dataclass(frozen=True)
 class Snapshot:
     generation: int = 0
     steps_total: int = 0
@@ -75,6 +88,8 @@ class Snapshot:
     local_global_norm: Optional[float] = None
     local_grad_norm: Tuple[Tuple[str, float], ...] = ()
     local_nonfinite: Tuple[Tuple[str, str, int], ...] = ()  # layer, kind, count
+    nonfinite_origin: Tuple[Tuple[str, str, int], ...] = ()  # tensor, layer, global step
+    grouped_layers: int = 0
     coverage: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
 
 
@@ -89,9 +104,19 @@ class Aggregator:
     """Cumulative state of one monitor. Used only by the publisher thread."""
 
     def __init__(self, layer_names: Sequence[str], param_layer: Sequence[int],
-                 families: Sequence[str], model: str, local_view: bool = False) -> None:
+                 families: Sequence[str], model: str, local_view: bool = False,
+                 layer_group: Optional[Sequence[int]] = None, rank: int = 0,
+                 on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None) -> None:
+        """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
+        maps the recorder's layer index to them; ``param_layer`` maps each parameter to
+        the recorder's layer index."""
         self.layer_names = tuple(layer_names)
-        self.param_layer = tuple(param_layer)
+        self.layer_group = tuple(layer_group) if layer_group is not None else tuple(range(len(layer_names)))
+        self.param_layer = tuple(self.layer_group[layer] for layer in param_layer)
+        self.rank = rank
+        self.on_incident = on_incident
+        self.origin: Dict[str, Tuple[int, int]] = {}  # tensor -> (layer, global step)
+        self._in_incident = False
         self.families = tuple(families)  # enabled families
         self._model = model
         n = len(self.layer_names)
@@ -130,6 +155,7 @@ class Aggregator:
         if packet.data is None:
             return
         values: List[float] = packet.data.tolist()
+        self._step_origin: Dict[str, int] = {}
         any_bad = self._fold_grads(packet, values)
         offset = 3 * len(packet.grad_params)
         any_bad |= self._fold_activations(packet.act_meta, values, offset)
@@ -139,12 +165,34 @@ class Aggregator:
         any_bad |= self._fold_local(packet.local_params, values, offset)
         if any_bad:
             self.nonfinite_steps += 1
+        self._incident(any_bad, packet.global_step)
         if packet.detail and packet.grad_params:
             self.detail_backward_steps += 1
             self._log_gaps_once()
 
+    def _incident(self, bad: bool, step: int) -> None:
+        origin = self._step_origin
+        for tensor, layer in origin.items():
+            self.origin[tensor] = (layer, step)
+        starts = bad and not self._in_incident
+        self._in_incident = bad
+        if bad and self.on_incident is not None:
+            name = lambda t: self.layer_names[origin[t]] if t in origin else None  # noqa: E731
+            self.on_incident(NonFiniteIncident(self._model, self.rank, step, name(M.TENSOR_GRAD),
+                                               name(M.TENSOR_ACTIVATION)), starts)
+
+    def _mark_origin(self, tensor: str, layer: int, backward: bool) -> None:
+        """Keep the first layer in forward order (activations) or backward order (gradients)."""
+        known = self._step_origin.get(tensor)
+        if known is None or (layer > known if backward else layer < known):
+            self._step_origin[tensor] = layer
+
     def _count(self, tensor: str, layer: int, nan: float, inf: float) -> bool:
         if nan or inf:
+            if tensor == M.TENSOR_ACTIVATION:
+                self._mark_origin(M.TENSOR_ACTIVATION, layer, backward=False)
+            else:
+                self._mark_origin(M.TENSOR_GRAD, layer, backward=True)
             cell = self.nonfinite[tensor][layer]
             cell[0] += int(nan)
             cell[1] += int(inf)
@@ -177,6 +225,7 @@ class Aggregator:
         acc: Dict[int, List[float]] = {}
         bad = False
         for k, (layer, numel) in enumerate(meta):
+            layer = self.layer_group[layer]
             sq, amax = v[o + 2 * k], v[o + 2 * k + 1]
             a = acc.setdefault(layer, [0.0, 0, 0.0])
             a[0] += sq
@@ -196,6 +245,7 @@ class Aggregator:
         acc: Dict[int, float] = {}
         bad = False
         for k, layer in enumerate(meta):
+            layer = self.layer_group[layer]
             acc[layer] = acc.get(layer, 0.0) + v[o + k]
             bad |= self._count(M.TENSOR_GRAD_FLOW, layer, v[o + q + 2 * k], v[o + q + 2 * k + 1])
         for layer, sq in acc.items():
@@ -214,6 +264,7 @@ class Aggregator:
             layer_sq[layer] = layer_sq.get(layer, 0.0) + v[o + k]
             nan, inf = v[o + n + 2 * k], v[o + n + 2 * k + 1]
             if nan or inf:
+                self._mark_origin(M.TENSOR_GRAD, layer, backward=True)
                 cell = self.local_nonfinite[layer]
                 cell[0] += int(nan)
                 cell[1] += int(inf)
@@ -291,7 +342,9 @@ class Aggregator:
             local_view=self.local_view, local_global_norm=self.local_global_norm,
             local_grad_norm=pairs(self.local_grad_norm),
             local_nonfinite=tuple((names[i], kind, cell[k]) for i, cell in enumerate(self.local_nonfinite)
-                                  for k, kind in enumerate(M.NONFINITE_KINDS)) if self.local_view else ())
+                                  for k, kind in enumerate(M.NONFINITE_KINDS)) if self.local_view else (),
+            nonfinite_origin=tuple((tensor, names[layer], step) for tensor, (layer, step) in sorted(self.origin.items())),
+            grouped_layers=len(self.layer_group) - len(self.layer_names))
 
 
 _STOP = object()

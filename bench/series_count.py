@@ -1,0 +1,59 @@
+"""Series per rank and per job, counted from a real exposition (README's Multi-GPU table).
+
+    python bench/series_count.py
+
+For each model size it attaches gradmon as a DDP rank would be configured (local view on,
+RANK/WORLD_SIZE from the environment as torchrun sets them), trains one step, renders the
+registry and counts samples. Rank 0 carries the reduced per-layer series; the other ranks
+carry their own (local, activation, gradient-flow) series and the summaries.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict
+
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from torch import nn
+
+import gradmon
+
+
+def model_with(layers: int) -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(layers)])
+
+
+def count(layers: int, rank: int, world: int) -> int:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
+    model = model_with(layers)
+    registry = CollectorRegistry()
+    mon = gradmon.attach(model, registry=registry, local_view=world > 1, final_scrape_timeout=0, detail_every=1)
+    model(torch.randn(2, 4)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    mon.flush()
+    text = generate_latest(registry).decode()
+    mon.detach()
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def main() -> int:
+    rows: Dict[int, Dict[str, int]] = {}
+    for layers in (100, 1000):
+        rows[layers] = {"single": count(layers, 0, 1), "rank0": count(layers, 0, 8), "other": count(layers, 1, 8)}
+    print("| ranks | layers | series on rank 0 | series on each other rank | series per job | PodMonitor sampleLimit |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for ranks in (1, 8, 64, 1024):
+        for layers in (100, 1000):
+            r = rows[layers]
+            r0 = r["single"] if ranks == 1 else r["rank0"]
+            other = 0 if ranks == 1 else r["other"]
+            job = r0 + (ranks - 1) * other
+            limit = int(max(r0, other) * 1.5 // 1000 + 1) * 1000
+            print(f"| {ranks} | {layers} | {r0} | {other if ranks > 1 else '-'} | {job:,} | {limit:,} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
