@@ -33,6 +33,22 @@ class Config:
     """Bind address. All interfaces by default because Prometheus usually scrapes from
     another host; use 127.0.0.1 to keep the endpoint local."""
 
+    tls_certfile: Optional[str] = None
+    """PEM certificate: serve /metrics over HTTPS (with ``tls_keyfile``)."""
+
+    tls_keyfile: Optional[str] = None
+    """PEM private key of ``tls_certfile`` (omit if the certificate file holds it)."""
+
+    tls_client_cafile: Optional[str] = None
+    """CA bundle: require scrapers to present a client certificate signed by it (mTLS)."""
+
+    basic_auth_user: Optional[str] = None
+    """Require HTTP basic auth with this user (and ``basic_auth_password``)."""
+
+    basic_auth_password: Optional[str] = field(default=None, repr=False)
+    """Password for ``basic_auth_user``; best set through GRADMON_BASIC_AUTH_PASSWORD from
+    a secret. Never logged (excluded from the Config's repr)."""
+
     port_offset_by_local_rank: bool = True
     """Serve on ``port + LOCAL_RANK`` so several ranks on one node each get a port."""
 
@@ -119,6 +135,14 @@ def _validate(cfg: Config) -> None:
     except ValueError:
         if not (isinstance(cfg.addr, str) and cfg.addr == "localhost"):
             _fail("addr", f"must be an IP address such as 0.0.0.0 or 127.0.0.1, got {cfg.addr!r}")
+    for name in ("tls_certfile", "tls_keyfile", "tls_client_cafile"):
+        path = getattr(cfg, name)
+        if path is not None and not os.path.isfile(path):
+            _fail(name, f"must name a readable PEM file, {path!r} does not exist")
+    if (cfg.tls_keyfile or cfg.tls_client_cafile) and not cfg.tls_certfile:
+        _fail("tls_certfile", "is required when tls_keyfile or tls_client_cafile is set")
+    if (cfg.basic_auth_user is None) != (cfg.basic_auth_password is None):
+        _fail("basic_auth_user", "and basic_auth_password must be set together")
     for name in ("every", "detail_every"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -197,6 +221,11 @@ def _parse_labels(name: str, raw: str) -> Dict[str, str]:
 _ENV_PARSERS: Dict[str, Callable[[str, str], Any]] = {
     "port": _parse_int,
     "addr": lambda n, r: r.strip(),
+    "tls_certfile": lambda n, r: r.strip() or None,
+    "tls_keyfile": lambda n, r: r.strip() or None,
+    "tls_client_cafile": lambda n, r: r.strip() or None,
+    "basic_auth_user": lambda n, r: r.strip() or None,
+    "basic_auth_password": lambda n, r: r or None,
     "port_offset_by_local_rank": _parse_bool,
     "every": _parse_int,
     "detail_every": _parse_int,

@@ -33,6 +33,9 @@ class ErrorLog:
                       "are only counted in gradmon_hook_errors_total", self._model, stage, stage,
                       exc_info=(type(exc), exc, exc.__traceback__))
 
+    def total(self) -> int:
+        return sum(self._counts.values())  # read without the lock: a stale sum only delays a render
+
     def counts(self) -> Dict[str, int]:
         with self._lock:
             return dict(self._counts)

@@ -13,13 +13,16 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple
 
+from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from . import metrics as M
 from . import process
+from .config import Config
+from .server import CachedExposition, MetricsServer
 from .snapshot import Snapshot
 
 log = logging.getLogger("gradmon")
@@ -121,21 +124,24 @@ class GradmonCollector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sources: Dict[int, Tuple[ExportSource, Callable[[str, BaseException], None]]] = {}
-        self._scraped = threading.Condition()
-        self.scrapes = 0
+        self._generations: Dict[int, Callable[[], Hashable]] = {}
 
-    def wait_for_scrape(self, after: int, timeout: float) -> bool:
-        """Block until a scrape beyond the ``after``-th has completed, or ``timeout``."""
-        with self._scraped:
-            return self._scraped.wait_for(lambda: self.scrapes > after, timeout)
+    def generation(self) -> Hashable:
+        """Changes whenever any model publishes a snapshot or changes run state."""
+        with self._lock:
+            gens = list(self._generations.items())
+        return tuple((key, gen()) for key, gen in gens)
 
-    def add(self, key: int, source: ExportSource, on_error: Callable[[str, BaseException], None]) -> None:
+    def add(self, key: int, source: ExportSource, on_error: Callable[[str, BaseException], None],
+            generation: Callable[[], Hashable]) -> None:
         with self._lock:
             self._sources[key] = (source, on_error)
+            self._generations[key] = generation
 
     def remove(self, key: int) -> int:
         with self._lock:
             self._sources.pop(key, None)
+            self._generations.pop(key, None)
             return len(self._sources)
 
     def collect(self) -> Iterable[Metric]:
@@ -154,29 +160,10 @@ class GradmonCollector:
         if process_labels is not None:
             for spec, labels, value in process.samples(process_labels):
                 fam.add(spec, labels, value)
-        with self._scraped:
-            self.scrapes += 1
-            self._scraped.notify_all()
         return list(fam)
 
 
 # -- endpoints -------------------------------------------------------------------------
-
-ServerFactory = Callable[[CollectorRegistry, str, int], Tuple[int, Callable[[], None]]]
-
-
-def _prometheus_client_server(registry: CollectorRegistry, addr: str, port: int) -> Tuple[int, Callable[[], None]]:
-    from prometheus_client import start_http_server
-
-    server, thread = start_http_server(port, addr=addr, registry=registry)
-
-    def close() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(5.0)
-
-    return server.server_address[1], close
-
 
 @dataclass
 class Endpoint:
@@ -185,29 +172,51 @@ class Endpoint:
     key: Tuple[object, ...]
     registry: CollectorRegistry
     collector: GradmonCollector
-    addr: Optional[str] = None
-    port: Optional[int] = None
-    close_server: Optional[Callable[[], None]] = None
+    server: Optional[MetricsServer] = None
+    cache: Optional[CachedExposition] = None
     users: int = 0
+    scrapes: int = 0
+    scraped: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def port(self) -> Optional[int]:
+        return self.server.port if self.server is not None else None
 
     @property
     def url(self) -> Optional[str]:
-        if self.port is None:
+        if self.server is None:
             return None
-        host = "127.0.0.1" if self.addr in ("0.0.0.0", "", None) else self.addr
+        host = "127.0.0.1" if self.server.addr in ("0.0.0.0", "") else self.server.addr
+        host = "::1" if host == "::" else host
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{self.server.scheme}://{host}:{self.server.port}/metrics"
+
+    def count_scrape(self) -> None:
+        with self.scraped:
+            self.scrapes += 1
+            self.scraped.notify_all()
+
+    def wait_for_scrape(self, after: int, timeout: float) -> bool:
+        """Block until a scrape beyond the ``after``-th has been served, or ``timeout``."""
+        with self.scraped:
+            return self.scraped.wait_for(lambda: self.scrapes > after, timeout)
+
+    def changed(self) -> None:
+        """A run state changed without a new snapshot: the next scrape must render anew."""
+        if self.cache is not None:
+            self.cache.invalidate()
 
 
 _ENDPOINTS: Dict[Tuple[object, ...], Endpoint] = {}
 _ENDPOINTS_LOCK = threading.Lock()
 
 
-def acquire(registry: Optional[CollectorRegistry], addr: str, port: int,
-            server_factory: ServerFactory = _prometheus_client_server) -> Endpoint:
+def acquire(cfg: Config, port: int) -> Endpoint:
     """The endpoint for these settings, started on first use. Raises OSError when the
-    port cannot be bound; the caller keeps training without an endpoint."""
-    key: Tuple[object, ...] = ("registry", id(registry)) if registry is not None else ("serve", addr, port)
+    port cannot be bound; the caller keeps training without an endpoint. Monitors that
+    share a port share its first user's TLS and auth settings."""
+    registry = cfg.registry
+    key: Tuple[object, ...] = ("registry", id(registry)) if registry is not None else ("serve", cfg.addr, port)
     with _ENDPOINTS_LOCK:
         ep = _ENDPOINTS.get(key)
         if ep is None:
@@ -218,8 +227,12 @@ def acquire(registry: Optional[CollectorRegistry], addr: str, port: int,
             else:
                 own = CollectorRegistry(auto_describe=False)
                 own.register(collector)
-                bound, close = server_factory(own, addr, port)
-                ep = Endpoint(key, own, collector, addr, bound, close)
+                ep = Endpoint(key, own, collector)
+                ep.cache = CachedExposition(lambda: generate_latest(own), collector.generation)
+                auth = (cfg.basic_auth_user, cfg.basic_auth_password) if cfg.basic_auth_user else None
+                ep.server = MetricsServer(ep.cache.get, addr=cfg.addr, port=port, certfile=cfg.tls_certfile,
+                                          keyfile=cfg.tls_keyfile, client_cafile=cfg.tls_client_cafile,
+                                          basic_auth=auth, on_scrape=ep.count_scrape)
                 log.info("gradmon: serving metrics on %s", ep.url)
             _ENDPOINTS[key] = ep
         ep.users += 1
@@ -234,8 +247,8 @@ def release(ep: Endpoint, source_key: int) -> None:
         if ep.users > 0:
             return
         _ENDPOINTS.pop(ep.key, None)
-    if ep.close_server is not None:
-        ep.close_server()
+    if ep.server is not None:
+        ep.server.close()
     else:
         try:
             ep.registry.unregister(ep.collector)

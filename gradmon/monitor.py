@@ -100,11 +100,16 @@ class Monitor:
     def pause(self) -> None:
         """Mark the run as paused on purpose: stall alerts stay silent."""
         if self._state not in ("detached", "disabled"):
-            self._run_state = "paused"
+            self._set_run_state("paused")
 
     def resume(self) -> None:
         if self._state not in ("detached", "disabled"):
-            self._run_state = "training"
+            self._set_run_state("training")
+
+    def _set_run_state(self, state: str) -> None:
+        self._run_state = state
+        if self._endpoint is not None:
+            self._endpoint.changed()
 
     def snapshot(self) -> Snapshot:
         """The latest published snapshot (what the endpoint serves)."""
@@ -137,12 +142,12 @@ class Monitor:
 
     def _finish_run_state(self) -> None:
         """Set "finished" and let a scraping Prometheus see it once before the endpoint goes."""
-        scrapes = self._endpoint.collector.scrapes if self._endpoint is not None else 0
-        self._run_state = "finished"
+        scrapes = self._endpoint.scrapes if self._endpoint is not None else 0
+        self._set_run_state("finished")
         timeout = self.config.final_scrape_timeout
         if self._endpoint is None or self._endpoint.port is None or not scrapes or timeout <= 0:
             return
-        if not self._endpoint.collector.wait_for_scrape(scrapes, timeout):
+        if not self._endpoint.wait_for_scrape(scrapes, timeout):
             log.info("gradmon[%s]: no scrape within final_scrape_timeout=%ss after the run "
                      "finished; Prometheus may not have seen the final state", self.name, timeout)
 
@@ -198,7 +203,7 @@ class Monitor:
         if port and cfg.port_offset_by_local_rank:
             port += self.rank.local_rank
         try:
-            self._endpoint = exporter.acquire(cfg.registry, cfg.addr, port)
+            self._endpoint = exporter.acquire(cfg, port)
         except OSError as exc:
             # A taken port must not kill a training job: keep measuring, say so loudly.
             self._state = "server_failed"
@@ -207,7 +212,8 @@ class Monitor:
             log.error("gradmon[%s]: %s; training continues without an endpoint "
                       "(set GRADMON_PORT or port=0)", self.name, self.error)
             return
-        self._endpoint.collector.add(id(self), self._export_view, self._errors.record)
+        self._endpoint.collector.add(id(self), self._export_view, self._errors.record,
+                                     lambda: (self._snapshot.generation, self._run_state, self._errors.total()))
 
     def _on_incident(self, incident: NonFiniteIncident, starts: bool) -> None:
         """Publisher thread: one log line per run of non-finite steps, and the user's callback."""
