@@ -48,6 +48,11 @@ class Thresholds:
     ranks, the other rank's) is diverging."""
     stall_seconds: float = 600.0
     """No optimizer step for this long, while the run state is "training", is a stall."""
+    amp_skip_fraction: float = 0.5
+    """fp16 loss scaling skips an overflow step now and then; skipping more than this
+    fraction of steps means the scale is collapsing and the run is not learning."""
+    amp_min_loss_scale: float = 1.0
+    """A loss scale below this has given up on fp16's range."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class Timing:
     history_window: float = 3600
     """How far back a vanished rank or a finished run is remembered."""
     divergence_for: float = 300
+    amp_window: float = 600
+    amp_for: float = 600
 
     def scaled(self, factor: float) -> "Timing":
         return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self)})
@@ -182,6 +189,15 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"  < max by (job, model) (max_over_time(gradmon_world_size[{dur(t.history_window)}]))\n)\n"
               f"unless on(job, model) (max by (job, model) (max_over_time(gradmon_run_state{{state=\"finished\"}}[{dur(t.history_window)}])) == 1)",
               t.down_for),
+        Alert("GradmonLossScaleCollapse", "warning", "AMP loss scale collapsing",
+              f"The GradScaler skipped most steps or its loss scale fell below {th.amp_min_loss_scale:g} ({where}): "
+              "persistent overflow, the run is not learning. Value: {{ $value | humanize }}.",
+              f"(\n  sum by ({TARGET}) (increase(gradmon_amp_skipped_steps_total[{dur(t.amp_window)}]))\n"
+              f"  > {th.amp_skip_fraction:g} * (\n"
+              f"    sum by ({TARGET}) (increase(gradmon_amp_skipped_steps_total[{dur(t.amp_window)}]))\n"
+              f"    + sum by ({TARGET}) (increase(gradmon_steps_total[{dur(t.amp_window)}]))\n  )\n)\n"
+              f"or\nmin by ({TARGET}) (gradmon_amp_loss_scale) < {th.amp_min_loss_scale:g}",
+              t.amp_for),
         Alert("GradmonRankDivergence", "warning", "One rank's local gradient diverges",
               f"Rank {{{{ $labels.rank }}}}'s local (pre-all-reduce) gradient norm is {{{{ $value | humanize }}}}, "
               f"over {th.divergence_factor:g}x the other ranks' ({where}): a bad data shard or a faulty device.",

@@ -109,6 +109,12 @@ class Config:
     itself. It runs on gradmon's publisher thread, as soon as the step's statistics
     reach the host; exceptions it raises are caught and counted."""
 
+    scaler: Any = None
+    """The job's ``torch.amp.GradScaler``: norms are reported unscaled and steps the
+    scaler skips on overflow are counted as such, not as non-finite incidents. Without
+    it, norms under fp16 loss scaling are scaled norms, and a skipped step's statistics
+    are merged into the next step (see README, Mixed precision)."""
+
     final_scrape_timeout: float = 30.0
     """Seconds ``detach()`` waits for one more scrape, so that Prometheus sees the run
     state "finished" and a job that ended normally does not page as stalled or missing.
@@ -168,6 +174,10 @@ def _validate(cfg: Config) -> None:
         _fail("series_budget", f"must be an integer of at least 20 series, got {cfg.series_budget!r}")
     if cfg.on_nonfinite is not None and not callable(cfg.on_nonfinite):
         _fail("on_nonfinite", f"must be callable (it receives a NonFiniteIncident), got {cfg.on_nonfinite!r}")
+    if cfg.scaler is not None:
+        from .amp import is_scaler
+        if not is_scaler(cfg.scaler):
+            _fail("scaler", f"must be a torch.amp.GradScaler, got {type(cfg.scaler).__name__}")
     if cfg.name is not None and (not isinstance(cfg.name, str) or not cfg.name):
         _fail("name", f"must be a non-empty string, got {cfg.name!r}")
     if cfg.registry is not None and not hasattr(cfg.registry, "register"):

@@ -96,6 +96,10 @@ def add_view(fam: _Families, view: ExportView) -> None:
     for tensor, layer, step in s.nonfinite_origin:
         fam.add(M.NONFINITE_ORIGIN, _with(base, tensor=tensor, layer=layer), step)
     fam.add(M.GROUPED_LAYERS, base, s.grouped_layers)
+    if s.amp_skipped_steps is not None:
+        fam.add(M.AMP_SKIPPED_STEPS, base, s.amp_skipped_steps)
+    if s.amp_loss_scale is not None:
+        fam.add(M.AMP_LOSS_SCALE, base, s.amp_loss_scale)
     if s.local_global_norm is not None:
         fam.add(M.LOCAL_GRAD_GLOBAL_NORM, base, s.local_global_norm)
     for layer, value in s.local_grad_norm:

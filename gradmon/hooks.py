@@ -33,7 +33,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import sharded, stats
+from . import amp, sharded, stats
 from .config import Config
 from .errors import ErrorLog
 from .layers import Layer, is_floating
@@ -94,6 +94,9 @@ class Recorder:
         self._shard_groups = sharded.plan(self.params)
         self.sharded = bool(self._shard_groups)
         self._measure_failed = False
+        self.scaler = cfg.scaler
+        self._scale: Optional[torch.Tensor] = None  # loss scale during this step's backward
+        self._stepped = False
         self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self._primary: Optional[weakref.ref] = None
         self.active = True
@@ -209,6 +212,7 @@ class Recorder:
             return
         t0 = perf_counter()
         try:
+            self._scale = amp.scale_tensor(self.scaler)
             self._measure_grads()
         except Exception as exc:
             self._measure_failed = True
@@ -291,9 +295,34 @@ class Recorder:
             self.step_offset = global_step - (self.steps + 1)
         self.end_step(None, by_optimizer=False)
 
+    def on_scaler_update(self) -> None:
+        """Once per iteration, stepped or not: a backward without an optimizer step was a
+        step the scaler skipped on overflow."""
+        if not self.active:
+            return
+        if self._stepped or not self._fresh_backward:
+            self._stepped = False
+            return
+        t0 = perf_counter()
+        try:
+            scale = amp.scale_tensor(self.scaler)
+            host, event = stats.to_host(scale.double()) if scale is not None else (None, None)
+            self.publish(StepPacket(self.steps, self.step_offset + self.steps, time.time(), data=host, event=event,
+                                    skipped=True, amp_scale=host is not None))
+        except Exception as exc:
+            self.errors.record("step", exc)
+        finally:
+            self._grad = None
+            self._scale = None
+            self._measure_failed = False
+            self._fresh_backward = False
+            self._reset_records()
+            self.overhead += perf_counter() - t0
+
     def end_step(self, optimizer_step: Optional[int], by_optimizer: bool) -> None:
         t0 = perf_counter()
         index = self.steps
+        self._stepped = True
         global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
         packet = StepPacket(index, global_step, time.time())
         if self._shard_groups:
@@ -307,6 +336,7 @@ class Recorder:
         except Exception as exc:  # pragma: no cover - SimpleQueue.put does not fail
             self.errors.record("step", exc)
         self._grad = None
+        self._scale = None
         self._measure_failed = False
         self._fresh_backward = False
         self._last_step_by_optimizer = by_optimizer
@@ -329,8 +359,15 @@ class Recorder:
         parts: List[torch.Tensor] = []
         home: Optional[torch.device] = None
         grad_params: Tuple[int, ...] = ()
+        inv_sq: Optional[torch.Tensor] = None
+        if self._scale is not None:
+            # unscale on the device: gradients (and gradients w.r.t. outputs) carry the
+            # loss scale, their sums of squares its square; NaN/Inf counts are unchanged
+            inv_sq = self._scale.double().reciprocal().square()
         if self._grad is not None:
             block, grad_params = self._grad
+            if inv_sq is not None:
+                block = torch.cat((block[:1] * inv_sq.to(block.device), block[1:]))
             parts.append(block)
             home = block.device
         if self._act_f:
@@ -338,19 +375,26 @@ class Recorder:
             parts += [stats.stack_records(self._act_f, home), stats.stack_records(self._act_i, home)]
         if self._flow_f:
             home = home or self._flow_f[0].device
-            parts += [stats.stack_records(self._flow_f, home), stats.stack_records(self._flow_i, home)]
+            flow = stats.stack_records(self._flow_f, home)
+            if inv_sq is not None:
+                flow = flow.double() * inv_sq.to(home)
+            parts += [flow, stats.stack_records(self._flow_i, home)]
         local_params = tuple(sorted(self._local))
         if local_params:
             records = [self._local[i] for i in local_params]
             home = home or records[0][0].device
             parts += [stats.stack_records([f for f, _ in records], home),
                       stats.stack_records([c for _, c in records], home)]
+        if self._scale is not None:
+            home = home or self._scale.device
+            parts.append(self._scale)
         if home is None:
             return packet
         data, event = stats.to_host(stats.pack(parts, home))
         return dataclasses.replace(
             packet, data=data, event=event, grad_params=grad_params,
             act_meta=tuple(self._act_meta), flow_meta=tuple(self._flow_meta), local_params=local_params,
+            amp_scale=self._scale is not None,
             sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
 
 
@@ -367,6 +411,8 @@ class HookSet:
                     self._handles.append(layer.module.register_forward_hook(
                         partial(recorder.on_forward, layer.index)))
             self._handles.append(root.register_forward_hook(recorder.on_root_forward))
+            if recorder.scaler is not None:
+                self._handles.append(amp.UpdateHook(recorder.scaler, recorder.on_scaler_update))
             if recorder.local_view:
                 for i, p in enumerate(recorder.params):
                     self._handles.append(p.register_post_accumulate_grad_hook(partial(recorder.on_local_grad, i)))

@@ -78,6 +78,9 @@ NONFINITE_ORIGIN = _spec("nonfinite_origin_step", "gauge", ("tensor", "layer"),
                          "forward order for tensor=activation, first in backward order for tensor=grad.")
 GROUPED_LAYERS = _spec("grouped_layers", "gauge", (),
                        "Layers merged into module-name-prefix groups to stay within series_budget (0: none).")
+AMP_SKIPPED_STEPS = _spec("amp_skipped_steps", "counter", (),
+                          "Steps the GradScaler skipped on overflow (given attach(scaler=...)); not non-finite incidents.")
+AMP_LOSS_SCALE = _spec("amp_loss_scale", "gauge", (), "The GradScaler's loss scale at the last step.")
 NONFINITE_STEPS = _spec("nonfinite_steps", "counter", (),
                         "Optimizer steps in which any monitored tensor held a non-finite element.")
 STEPS = _spec("steps", "counter", (), "Optimizer steps seen since attach.")

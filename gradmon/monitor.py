@@ -186,7 +186,7 @@ class Monitor:
         self._reduced_per_layer = self.rank.rank == 0 or self.rank.world_size == 1 or not (
             local_view or recorder.sharded)
         aggregator = Aggregator(grouping.names, recorder.param_layer, families, self.name, local_view,
-                                grouping.of_layer, self.rank.rank, self._on_incident)
+                                grouping.of_layer, self.rank.rank, self._on_incident, amp=cfg.scaler is not None)
         self._recorder = recorder
         self._publisher = Publisher(aggregator, self._errors, self._set_snapshot, self.name)
         try:

@@ -43,6 +43,8 @@ class StepPacket:
     act_meta: Tuple[Tuple[int, int], ...] = ()  # (layer index, numel) per forward call
     flow_meta: Tuple[int, ...] = ()  # layer index per grad-flow hook call
     local_params: Tuple[int, ...] = ()  # parameters with a local (pre-all-reduce) record
+    amp_scale: bool = False  # the last value is the GradScaler's loss scale
+    skipped: bool = False  # an overflow step the GradScaler skipped: data holds only the scale
     sampled: bool = True
     detail: bool = False
 
@@ -90,6 +92,8 @@ class Snapshot:
     local_nonfinite: Tuple[Tuple[str, str, int], ...] = ()  # layer, kind, count
     nonfinite_origin: Tuple[Tuple[str, str, int], ...] = ()  # tensor, layer, global step
     grouped_layers: int = 0
+    amp_skipped_steps: Optional[int] = None  # None: no scaler given
+    amp_loss_scale: Optional[float] = None
     coverage: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
 
 
@@ -106,7 +110,7 @@ class Aggregator:
     def __init__(self, layer_names: Sequence[str], param_layer: Sequence[int],
                  families: Sequence[str], model: str, local_view: bool = False,
                  layer_group: Optional[Sequence[int]] = None, rank: int = 0,
-                 on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None) -> None:
+                 on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index."""
@@ -114,6 +118,7 @@ class Aggregator:
         self.layer_group = tuple(layer_group) if layer_group is not None else tuple(range(len(layer_names)))
         self.param_layer = tuple(self.layer_group[layer] for layer in param_layer)
         self.rank = rank
+        self.amp = amp
         self.on_incident = on_incident
         self.origin: Dict[str, Tuple[int, int]] = {}  # tensor -> (layer, global step)
         self._in_incident = False
@@ -137,6 +142,8 @@ class Aggregator:
         self.hist_count = 0
         self.seen: Dict[str, set] = {f: set() for f in M.FAMILIES}
         self.local_view = local_view
+        self.amp_skipped_steps = 0
+        self.amp_loss_scale: Optional[float] = None
         self.local_nonfinite: List[List[int]] = [[0, 0] for _ in range(n)]
         self.local_grad_norm: List[Optional[float]] = [None] * n
         self.local_global_norm: Optional[float] = None
@@ -147,6 +154,11 @@ class Aggregator:
     # -- folding -------------------------------------------------------------------
 
     def fold(self, packet: StepPacket) -> None:
+        if packet.skipped:
+            self.amp_skipped_steps += 1
+            if packet.data is not None:
+                self.amp_loss_scale = packet.data.tolist()[-1]
+            return
         # Count the step before parsing anything: a packet that fails to parse must
         # still be a step, or rate(gradmon_steps_total) would lie.
         self.steps_total += 1
@@ -155,6 +167,8 @@ class Aggregator:
         if packet.data is None:
             return
         values: List[float] = packet.data.tolist()
+        if packet.amp_scale:
+            self.amp_loss_scale = values[-1]
         self._step_origin: Dict[str, int] = {}
         any_bad = self._fold_grads(packet, values)
         offset = 3 * len(packet.grad_params)
@@ -344,7 +358,8 @@ class Aggregator:
             local_nonfinite=tuple((names[i], kind, cell[k]) for i, cell in enumerate(self.local_nonfinite)
                                   for k, kind in enumerate(M.NONFINITE_KINDS)) if self.local_view else (),
             nonfinite_origin=tuple((tensor, names[layer], step) for tensor, (layer, step) in sorted(self.origin.items())),
-            grouped_layers=len(self.layer_group) - len(self.layer_names))
+            grouped_layers=len(self.layer_group) - len(self.layer_names),
+            amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale)
 
 
 _STOP = object()

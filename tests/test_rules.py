@@ -104,6 +104,14 @@ CASES = {
         [series("gradmon_world_size", "2x20", rank="0"), series("gradmon_world_size", "2x20", rank="1"),
          series("gradmon_steps_total", "1+1x20", rank="0"), series("gradmon_steps_total", "1+1x20", rank="1")],
         [alert("GradmonRanksMissing", "10m")]),
+    "loss_scale_collapse_when_most_steps_are_skipped": (
+        [series("gradmon_amp_skipped_steps_total", "0+9x40", rank="0"), series("gradmon_steps_total", "0+1x40", rank="0"),
+         series("gradmon_amp_loss_scale", "65536x40", rank="0")],
+        [alert("GradmonLossScaleCollapse", "30m", ("warning", target(rank="0")))]),
+    "no_loss_scale_alert_for_occasional_amp_skips": (
+        [series("gradmon_amp_skipped_steps_total", "0+1x40", rank="0"), series("gradmon_steps_total", "0+100x40", rank="0"),
+         series("gradmon_amp_loss_scale", "65536 32768 65536 32768x37", rank="0")],
+        [alert("GradmonLossScaleCollapse", "30m")]),
     "rank_divergence_with_two_ranks": (
         [series("gradmon_local_grad_global_norm", "1x20", rank="0"),
          series("gradmon_local_grad_global_norm", "50x20", rank="1")],
