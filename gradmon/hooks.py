@@ -57,10 +57,22 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
             yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
 
 
-def _in_backward() -> bool:
-    # Activation checkpointing re-runs forwards inside backward; those are not new
-    # activations and must not be counted twice.
-    return torch._C._current_autograd_node() is not None
+def _recomputed_twice() -> bool:
+    """A forward that activation checkpointing re-runs inside backward, whose original
+    was already measured. Non-reentrant checkpointing ran the original with grad
+    enabled (measured): skip the re-run. Reentrant checkpointing ran the original under
+    no_grad (skipped as an eval forward): its re-run, inside CheckpointFunctionBackward,
+    is the only training forward there is, so it is measured once, there."""
+    node = torch._C._current_autograd_node()
+    return node is not None and type(node).__name__ != "CheckpointFunctionBackward"
+
+
+def _compiling() -> bool:
+    # Under torch.compile the per-layer hooks are traced into the graph; a Python flag
+    # read there (detail_now) becomes a guard that recompiles every time it flips, and
+    # register_hook breaks the graph. So inside a compiled region they do nothing:
+    # dynamo folds this check to True and traces an empty hook.
+    return torch.compiler.is_compiling()
 
 
 def _optimizer_step_value(opt: torch.optim.Optimizer) -> Optional[int]:
@@ -129,11 +141,13 @@ class Recorder:
     # -- forward / grad flow -------------------------------------------------------
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
+        if _compiling():
+            return
         if not (self.detail_now and self.active and module.training and torch.is_grad_enabled()):
             return
         t0 = perf_counter()
         try:
-            if _in_backward():
+            if _recomputed_twice():
                 return
             for t in iter_tensors(output):
                 if not is_floating(t) or t.numel() == 0:
@@ -180,7 +194,10 @@ class Recorder:
 
     # -- end of backward -----------------------------------------------------------
 
+    @torch._dynamo.disable
     def on_root_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """Runs eagerly even when the model is compiled (a graph break after the whole
+        forward, not inside it), so end-of-backward measurement works under compile."""
         if not (self.active and torch.is_grad_enabled()):
             return
         try:

@@ -323,9 +323,13 @@ class Aggregator:
                 for name, fams in self.coverage().items()
                 if any(f not in fams for f in self.families)]
         if gaps:
+            hint = ""
+            if not self.seen[M.FAMILY_ACTIVATION] and not self.seen[M.FAMILY_GRAD_FLOW]:
+                hint = (" No forward hook ran in a training forward: under torch.compile gradmon's per-layer "
+                        "hooks are no-ops (gradient norms and non-finite counts still cover every step).")
             log.warning("gradmon[%s]: %d layer(s) not fully observable, reported in "
-                        "gradmon_uncovered_layers and Monitor.coverage(): %s", self._model,
-                        len(gaps), "; ".join(gaps[:20]) + (" ..." if len(gaps) > 20 else ""))
+                        "gradmon_uncovered_layers and Monitor.coverage(): %s.%s", self._model,
+                        len(gaps), "; ".join(gaps[:20]) + (" ..." if len(gaps) > 20 else ""), hint)
 
     # -- snapshot ------------------------------------------------------------------
 
