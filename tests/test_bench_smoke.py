@@ -24,3 +24,14 @@ def test_benchmark_quick_run_reports_every_variant(tmp_path):
         assert row["median_step_ms"] > 0 and row["peak_rss_mb"] > 0, name
         assert name in r.stdout
     assert res["gradmon_defaults"]["host_us_per_step"] > 0  # read from gradmon's own counter
+
+
+def test_scrape_benchmark_quick_run_reports_no_failed_scrape(tmp_path):
+    out = tmp_path / "scrape.json"
+    r = subprocess.run([sys.executable, str(BENCH.parent / "bench_scrape.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    paced, flood = json.loads(out.read_text())
+    assert paced["scrapes"] > 0 and flood["scrapes"] > paced["scrapes"]
+    assert paced["failed_scrapes"] == 0 and flood["failed_scrapes"] == 0
+    assert paced["gradmon_errors"] == 0 and flood["gradmon_errors"] == 0
