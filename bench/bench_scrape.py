@@ -61,7 +61,9 @@ def run(layers: int, window_s: float, windows: int, n_scrapers: int, rate: float
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(layers)])
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(32, 64)
-    mon = gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1, final_scrape_timeout=0)
+    # every layer its own series (no grouping): the largest exposition a 500-layer model can make
+    mon = gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1, final_scrape_timeout=0,
+                         series_budget=100_000)
     proc = psutil.Process()
 
     def step() -> None:

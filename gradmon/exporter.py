@@ -81,13 +81,14 @@ def add_view(fam: _Families, view: ExportView) -> None:
     fam.add(M.WORLD_SIZE, base, float(view.info["world_size"]))
     for state in M.RUN_STATES:
         fam.add(M.RUN_STATE, _with(base, state=state), 1 if state == view.run_state else 0)
-    fam.add(M.STEPS, base, s.steps_total)
-    if s.global_step is not None:
-        fam.add(M.STEP, base, s.global_step)
-    if s.last_step_time is not None:
-        fam.add(M.LAST_STEP_TIMESTAMP, base, s.last_step_time)
-    if s.global_norm is not None:
-        fam.add(M.GRAD_GLOBAL_NORM, base, s.global_norm)
+    # per-model values; None means "not measured yet" (or no scaler): no sample at all
+    for spec, value in ((M.STEPS, s.steps_total), (M.STEP, s.global_step),
+                        (M.LAST_STEP_TIMESTAMP, s.last_step_time), (M.GRAD_GLOBAL_NORM, s.global_norm),
+                        (M.GROUPED_LAYERS, s.grouped_layers), (M.AMP_SKIPPED_STEPS, s.amp_skipped_steps),
+                        (M.AMP_LOSS_SCALE, s.amp_loss_scale), (M.LOCAL_GRAD_GLOBAL_NORM, s.local_global_norm),
+                        (M.NONFINITE_STEPS, s.nonfinite_steps), (M.OVERHEAD_SECONDS, view.overhead_seconds)):
+        if value is not None:
+            fam.add(spec, base, value)
     for spec, pairs in ((M.GRAD_NORM, s.grad_norm if view.reduced_per_layer else ()),
                         (M.GRAD_FLOW_NORM, s.grad_flow_norm),
                         (M.ACTIVATION_RMS, s.activation_rms), (M.ACTIVATION_ABS_MAX, s.activation_abs_max)):
@@ -95,13 +96,6 @@ def add_view(fam: _Families, view: ExportView) -> None:
             fam.add(spec, _with(base, layer=layer), value)
     for tensor, layer, step in s.nonfinite_origin:
         fam.add(M.NONFINITE_ORIGIN, _with(base, tensor=tensor, layer=layer), step)
-    fam.add(M.GROUPED_LAYERS, base, s.grouped_layers)
-    if s.amp_skipped_steps is not None:
-        fam.add(M.AMP_SKIPPED_STEPS, base, s.amp_skipped_steps)
-    if s.amp_loss_scale is not None:
-        fam.add(M.AMP_LOSS_SCALE, base, s.amp_loss_scale)
-    if s.local_global_norm is not None:
-        fam.add(M.LOCAL_GRAD_GLOBAL_NORM, base, s.local_global_norm)
     for layer, value in s.local_grad_norm:
         fam.add(M.LOCAL_GRAD_NORM, _with(base, layer=layer), value)
     for layer, kind, count in s.local_nonfinite:
@@ -110,14 +104,12 @@ def add_view(fam: _Families, view: ExportView) -> None:
         if tensor == M.TENSOR_GRAD and not view.reduced_per_layer:
             continue
         fam.add(M.NONFINITE, _with(base, layer=layer, tensor=tensor, kind=kind), count)
-    fam.add(M.NONFINITE_STEPS, base, s.nonfinite_steps)
     for bound, cumulative in s.histogram:
         fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, _with(base, le=_fmt_bound(bound)), cumulative, "_bucket")
     fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, base, s.histogram_count, "_count")
     fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, base, s.histogram_sum, "_sum")
     for stage, count in view.errors.items():
         fam.add(M.HOOK_ERRORS, _with(base, stage=stage), count)
-    fam.add(M.OVERHEAD_SECONDS, base, view.overhead_seconds)
     for family, count in s.uncovered:
         fam.add(M.UNCOVERED_LAYERS, _with(base, family=family), count)
 
@@ -194,6 +186,10 @@ class Endpoint:
         host = "::1" if host == "::" else host
         host = f"[{host}]" if ":" in host else host
         return f"{self.server.scheme}://{host}:{self.server.port}/metrics"
+
+    def serving(self) -> bool:
+        """False once a server thread this endpoint started has died."""
+        return self.server is None or self.server.alive()
 
     def count_scrape(self) -> None:
         with self.scraped:

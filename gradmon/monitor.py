@@ -72,6 +72,10 @@ class Monitor:
     @property
     def state(self) -> str:
         """"running", "server_failed" (metrics kept, no endpoint), "disabled" or "detached"."""
+        if self._state == "running" and self._endpoint is not None and not self._endpoint.serving():
+            self._state = "server_failed"
+            self.error = "the metrics server thread stopped; training continues without an endpoint"
+            log.error("gradmon[%s]: %s", self.name, self.error)
         return self._state
 
     @property

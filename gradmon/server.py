@@ -160,6 +160,9 @@ class MetricsServer:
                                         name=f"gradmon-http-{self.port}", daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()

@@ -201,28 +201,32 @@ class Aggregator:
         if known is None or (layer > known if backward else layer < known):
             self._step_origin[tensor] = layer
 
-    def _count(self, tensor: str, layer: int, nan: float, inf: float) -> bool:
-        if nan or inf:
-            if tensor == M.TENSOR_ACTIVATION:
-                self._mark_origin(M.TENSOR_ACTIVATION, layer, backward=False)
-            else:
-                self._mark_origin(M.TENSOR_GRAD, layer, backward=True)
-            cell = self.nonfinite[tensor][layer]
-            cell[0] += int(nan)
-            cell[1] += int(inf)
-            return True
-        return False
+    def _count(self, cells: List[List[int]], layer: int, nan: float, inf: float, origin: str) -> bool:
+        if not (nan or inf):
+            return False
+        self._mark_origin(origin, layer, backward=origin != M.TENSOR_ACTIVATION)
+        cells[layer][0] += int(nan)
+        cells[layer][1] += int(inf)
+        return True
+
+    def _per_layer(self, layers: Sequence[int], squares: Sequence[float], nans: Sequence[float],
+                   infs: Sequence[float], cells: List[List[int]], origin: str) -> Tuple[Dict[int, float], bool]:
+        """Sum of squares per layer of records (one per element of ``layers``), counting
+        their NaN/Inf into ``cells``. A group's norm is the root of its summed squares."""
+        acc: Dict[int, float] = {}
+        bad = False
+        for k, layer in enumerate(layers):
+            acc[layer] = acc.get(layer, 0.0) + squares[k]
+            bad |= self._count(cells, layer, nans[k], infs[k], origin)
+        return acc, bad
 
     def _fold_grads(self, packet: StepPacket, v: List[float]) -> bool:
         p = len(packet.grad_params)
         if not p:
             return False
-        layer_sq: Dict[int, float] = {}
-        bad = False
-        for j, param in enumerate(packet.grad_params):
-            layer = self.param_layer[param]
-            layer_sq[layer] = layer_sq.get(layer, 0.0) + v[j]
-            bad |= self._count(M.TENSOR_GRAD, layer, v[p + j], v[2 * p + j])
+        layers = [self.param_layer[param] for param in packet.grad_params]
+        layer_sq, bad = self._per_layer(layers, v[:p], v[p:2 * p], v[2 * p:3 * p],
+                                        self.nonfinite[M.TENSOR_GRAD], M.TENSOR_GRAD)
         self.seen[M.FAMILY_GRAD].update(layer_sq)
         norm = math.sqrt(sum(layer_sq.values()))
         self.global_norm = norm
@@ -245,7 +249,8 @@ class Aggregator:
             a[0] += sq
             a[1] += numel
             a[2] = _merge_max(a[2], amax)
-            bad |= self._count(M.TENSOR_ACTIVATION, layer, v[o + 2 * r + 2 * k], v[o + 2 * r + 2 * k + 1])
+            bad |= self._count(self.nonfinite[M.TENSOR_ACTIVATION], layer, v[o + 2 * r + 2 * k],
+                               v[o + 2 * r + 2 * k + 1], M.TENSOR_ACTIVATION)
         for layer, (sq, numel, amax) in acc.items():
             self.activation_rms[layer] = math.sqrt(sq / numel) if numel else 0.0
             self.activation_abs_max[layer] = amax
@@ -256,12 +261,9 @@ class Aggregator:
         if not meta:
             return False
         q = len(meta)
-        acc: Dict[int, float] = {}
-        bad = False
-        for k, layer in enumerate(meta):
-            layer = self.layer_group[layer]
-            acc[layer] = acc.get(layer, 0.0) + v[o + k]
-            bad |= self._count(M.TENSOR_GRAD_FLOW, layer, v[o + q + 2 * k], v[o + q + 2 * k + 1])
+        acc, bad = self._per_layer([self.layer_group[layer] for layer in meta], v[o:o + q],
+                                   v[o + q:o + 3 * q:2], v[o + q + 1:o + 3 * q:2],
+                                   self.nonfinite[M.TENSOR_GRAD_FLOW], M.TENSOR_GRAD)
         for layer, sq in acc.items():
             self.grad_flow_norm[layer] = math.sqrt(sq)
         self.seen[M.FAMILY_GRAD_FLOW].update(acc)
@@ -271,18 +273,9 @@ class Aggregator:
         if not params:
             return False
         n = len(params)
-        layer_sq: Dict[int, float] = {}
-        bad = False
-        for k, param in enumerate(params):
-            layer = self.param_layer[param]
-            layer_sq[layer] = layer_sq.get(layer, 0.0) + v[o + k]
-            nan, inf = v[o + n + 2 * k], v[o + n + 2 * k + 1]
-            if nan or inf:
-                self._mark_origin(M.TENSOR_GRAD, layer, backward=True)
-                cell = self.local_nonfinite[layer]
-                cell[0] += int(nan)
-                cell[1] += int(inf)
-                bad = True
+        layer_sq, bad = self._per_layer([self.param_layer[param] for param in params], v[o:o + n],
+                                        v[o + n:o + 3 * n:2], v[o + n + 1:o + 3 * n:2],
+                                        self.local_nonfinite, M.TENSOR_GRAD)
         for layer, sq in layer_sq.items():
             self.local_grad_norm[layer] = math.sqrt(sq)
         self.local_global_norm = math.sqrt(sum(layer_sq.values()))

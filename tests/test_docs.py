@@ -42,3 +42,10 @@ def test_every_metric_is_in_the_metrics_table_with_its_type_and_labels():
         assert typ.strip().split()[0] == ("gauge" if spec.type == "info-gauge" else spec.type), shown
         for label in spec.labels:
             assert label in labels, (shown, label)
+
+
+def test_every_alert_is_in_the_alerts_table():
+    from gradmon import alerting
+    table = table_after("<!-- alerts-table")
+    listed = set(re.findall(r"^\| `(Gradmon\w+)` \|", table, re.M))
+    assert listed == {a.name for a in alerting.alerts(alerting.Thresholds(), alerting.PRODUCTION)}

@@ -136,3 +136,89 @@ def test_modules_added_after_attach_are_not_monitored_until_reattached(attach):
     assert not [k for k in s if dict(k[1]).get("layer") == "1"]
     mon.detach()
     assert attach(model).layers == ("0", "1")
+
+
+def test_dataclass_outputs_are_measured(attach):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out:
+        logits: torch.Tensor
+        aux: dict
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 3)
+
+        def forward(self, x):
+            y = self.proj(x)
+            return Out(y, {"hidden": y * 2})
+
+    model = nn.Sequential(nn.Linear(4, 4), Head())
+    mon = attach(model, detail_every=1)
+    model(torch.randn(2, 4)).logits.sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    mon.flush()
+    assert mon.coverage()["1.proj"] == frozenset({"grad", "grad_flow", "activation"})
+
+
+def test_a_nan_on_an_unsampled_step_still_reaches_the_counters(attach):
+    """detail_every=5: activations are not measured on step 3, the gradients are, every step."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = attach(model, detail_every=5)
+    for step in range(5):
+        x = torch.randn(2, 4)
+        if step == 3:
+            x[0, 0] = float("nan")
+        model(x).sum().backward()
+        for p in model.parameters():
+            torch.nan_to_num_(p.grad, nan=0.0)
+        opt.step()
+        opt.zero_grad()
+    mon.flush()
+    s = scrape(mon.url)
+    assert value(s, "gradmon_nonfinite_steps_total") == 1
+    assert value(s, "gradmon_nonfinite_total", layer="0", tensor="grad", kind="nan") > 0
+    assert value(s, "gradmon_nonfinite_total", layer="0", tensor="activation", kind="nan") == 0  # not sampled
+
+
+def test_a_failing_publisher_fold_counts_the_error_and_keeps_every_step(attach, monkeypatch):
+    from gradmon import snapshot
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    mon = attach(model)
+    real = snapshot.Aggregator._fold_grads
+    calls = {"n": 0}
+
+    def flaky(self, packet, values):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return real(self, packet, values)
+
+    monkeypatch.setattr(snapshot.Aggregator, "_fold_grads", flaky)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(4):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    mon.flush()
+    s = scrape(mon.url)
+    assert value(s, "gradmon_steps_total") == 4
+    assert value(s, "gradmon_hook_errors_total", stage="publish") == 1
+
+
+def test_the_server_thread_dying_is_reported_and_training_goes_on(attach, caplog):
+    model = nn.Sequential(nn.Linear(4, 4))
+    mon = attach(model)
+    mon._endpoint.server._httpd.shutdown()  # the serving loop ends, as if its thread died
+    mon._endpoint.server._thread.join(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert mon.state == "server_failed" and "server thread stopped" in mon.error
+    assert "training continues" in caplog.text
+    mon.flush()
+    assert mon.snapshot().steps_total == 1
