@@ -377,10 +377,12 @@ class Recorder:
         home: Optional[torch.device] = None
         grad_params: Tuple[int, ...] = ()
         inv_sq: Optional[torch.Tensor] = None
+        inv: Optional[torch.Tensor] = None
         if self._scale is not None:
             # unscale on the device: gradients (and gradients w.r.t. outputs) carry the
             # loss scale, their sums of squares its square; NaN/Inf counts are unchanged
-            inv_sq = self._scale.double().reciprocal().square()
+            inv = self._scale.double().reciprocal()
+            inv_sq = inv.square()
         if self._grad is not None:
             block, grad_params = self._grad
             if inv_sq is not None:
@@ -393,8 +395,8 @@ class Recorder:
         if self._flow_f:
             home = home or self._flow_f[0].device
             flow = stats.stack_records(self._flow_f, home)
-            if inv_sq is not None:
-                flow = flow.double() * inv_sq.to(home)
+            if inv is not None:
+                flow = flow.double() * inv.to(home)
             parts += [flow, stats.stack_records(self._flow_i, home)]
         local_params = tuple(sorted(self._local))
         if local_params:

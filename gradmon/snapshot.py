@@ -27,11 +27,11 @@ log = logging.getLogger("gradmon")
 class StepPacket:
     """What one optimizer step measured, still in the packed device layout.
 
-    ``data`` holds, in order: 3*P values (sum of squares, NaN, Inf per parameter
-    gradient listed in ``grad_params``), 2*R activation floats and 2*R activation counts
-    (one pair per entry of ``act_meta``), Q grad-flow sums of squares and 2*Q counts
-    (one per entry of ``flow_meta``), L local sums of squares and 2*L local counts (one
-    per entry of ``local_params``).
+    ``data`` holds, in order: 3*P values (sums of squares, then NaN and Inf counts, per
+    parameter gradient listed in ``grad_params``), 3*R activation floats (L2 norm, min,
+    max) and 2*R activation counts (one record per entry of ``act_meta``), Q grad-flow
+    norms and 2*Q counts (one per entry of ``flow_meta``), L local norms and 2*L local
+    counts (one per entry of ``local_params``), and the loss scale if ``amp_scale``.
     """
 
     index: int
@@ -173,7 +173,7 @@ class Aggregator:
         any_bad = self._fold_grads(packet, values)
         offset = 3 * len(packet.grad_params)
         any_bad |= self._fold_activations(packet.act_meta, values, offset)
-        offset += 4 * len(packet.act_meta)
+        offset += 5 * len(packet.act_meta)
         any_bad |= self._fold_grad_flow(packet.flow_meta, values, offset)
         offset += 3 * len(packet.flow_meta)
         any_bad |= self._fold_local(packet.local_params, values, offset)
@@ -244,13 +244,13 @@ class Aggregator:
         bad = False
         for k, (layer, numel) in enumerate(meta):
             layer = self.layer_group[layer]
-            sq, amax = v[o + 2 * k], v[o + 2 * k + 1]
+            norm, lo, hi = v[o + 3 * k], v[o + 3 * k + 1], v[o + 3 * k + 2]
             a = acc.setdefault(layer, [0.0, 0, 0.0])
-            a[0] += sq
+            a[0] += norm * norm
             a[1] += numel
-            a[2] = _merge_max(a[2], amax)
-            bad |= self._count(self.nonfinite[M.TENSOR_ACTIVATION], layer, v[o + 2 * r + 2 * k],
-                               v[o + 2 * r + 2 * k + 1], M.TENSOR_ACTIVATION)
+            a[2] = _merge_max(a[2], _merge_max(abs(lo), abs(hi)))
+            bad |= self._count(self.nonfinite[M.TENSOR_ACTIVATION], layer, v[o + 3 * r + 2 * k],
+                               v[o + 3 * r + 2 * k + 1], M.TENSOR_ACTIVATION)
         for layer, (sq, numel, amax) in acc.items():
             self.activation_rms[layer] = math.sqrt(sq / numel) if numel else 0.0
             self.activation_abs_max[layer] = amax
@@ -261,7 +261,7 @@ class Aggregator:
         if not meta:
             return False
         q = len(meta)
-        acc, bad = self._per_layer([self.layer_group[layer] for layer in meta], v[o:o + q],
+        acc, bad = self._per_layer([self.layer_group[layer] for layer in meta], [x * x for x in v[o:o + q]],
                                    v[o + q:o + 3 * q:2], v[o + q + 1:o + 3 * q:2],
                                    self.nonfinite[M.TENSOR_GRAD_FLOW], M.TENSOR_GRAD)
         for layer, sq in acc.items():
@@ -273,7 +273,7 @@ class Aggregator:
         if not params:
             return False
         n = len(params)
-        layer_sq, bad = self._per_layer([self.param_layer[param] for param in params], v[o:o + n],
+        layer_sq, bad = self._per_layer([self.param_layer[param] for param in params], [x * x for x in v[o:o + n]],
                                         v[o + n:o + 3 * n:2], v[o + n + 1:o + 3 * n:2],
                                         self.local_nonfinite, M.TENSOR_GRAD)
         for layer, sq in layer_sq.items():

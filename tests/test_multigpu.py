@@ -206,3 +206,25 @@ def test_fsdp2_gradmon_failing_on_one_rank_still_joins_the_collective(tmp_path):
     assert value(s1, "gradmon_hook_errors_total", stage="backward") == 4
     assert value(s0, "gradmon_steps_total") == 4 and value(s1, "gradmon_steps_total") == 4
     assert math.isnan(value(s0, "gradmon_grad_global_norm"))  # rank 0 dropped values it could not complete
+
+
+def test_only_shard_placements_are_summed_for_tensor_parallel_layouts():
+    """(Shard, Replicate) as FSDP x TP lays a replicated TP parameter out: only mesh dim 0
+    is summed. The multi-rank arithmetic itself is the HSDP test's; this pins the choice."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gradmon import sharded
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        params = [distribute_tensor(torch.randn(4, 4), mesh, [Shard(0), Replicate()]),
+                  distribute_tensor(torch.randn(4), mesh, [Replicate(), Replicate()]),
+                  distribute_tensor(torch.randn(4, 4), mesh, [Shard(0), Shard(1)]),
+                  torch.randn(3)]
+        groups = sharded.plan(params)
+        assert sorted((g.dims, g.params) for g in groups) == [((0,), [0]), ((0, 1), [2])]
+    finally:
+        dist.destroy_process_group()
