@@ -19,6 +19,7 @@ import argparse
 import math
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
@@ -174,12 +175,12 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
     warmup = 50
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     teacher = Teacher(16, 8, torch.Generator().manual_seed(args.seed))
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *a: stop.__setitem__("now", True))
+    stop = threading.Event()  # SIGTERM ends the loop, a stall and the hold at once
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
     try:
-        while not stop["now"] and (args.steps == 0 or step < args.steps):
+        while not stop.is_set() and (args.steps == 0 or step < args.steps):
             if args.stall_at is not None and step >= args.stall_at:
-                time.sleep(0.1)  # hung: alive, serving, not stepping
+                stop.wait(0.1)  # hung: alive, serving, not stepping
                 continue
             x, y = teacher.batch(args.batch_size)
             # warm-up: the first steps see inputs at 4x scale, so gradients start large and settle
@@ -199,12 +200,12 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
                 norm = f"{snap.global_norm:.4g}" if snap.global_norm is not None else "-"
                 print(f"step {step:6d}  loss {loss.item():.4f}  grad_global_norm {norm}", file=out, flush=True)
             if args.step_delay:
-                time.sleep(args.step_delay)
+                stop.wait(args.step_delay)
     except KeyboardInterrupt:
         pass
     finally:
-        if args.hold > 0 and not stop["now"]:
-            time.sleep(args.hold)
+        if args.hold > 0:
+            stop.wait(args.hold)
         monitor.detach()
     print(f"gradmon demo: finished after {step} steps", file=out, flush=True)
     return 0

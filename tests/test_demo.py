@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from conftest import scrape, value
+
+
+OUTPUT: "dict[int, list]" = {}  # pid -> lines the demo printed, drained by a thread
 
 
 def start_demo(*args: str) -> "tuple[subprocess.Popen, str]":
@@ -18,28 +23,37 @@ def start_demo(*args: str) -> "tuple[subprocess.Popen, str]":
          "--step-delay", "0", "--log-every", "50", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={"GRADMON_FINAL_SCRAPE_TIMEOUT": "0", "PATH": "/usr/bin:/bin"})
-    deadline = time.monotonic() + 60
-    for line in proc.stdout:
-        m = re.search(r"metrics at (http://\S+)", line)
-        if m and line.startswith("gradmon demo"):
-            return proc, m.group(1)
-        assert time.monotonic() < deadline, "demo did not print its URL"
-    raise AssertionError(f"demo exited early with {proc.wait()}")
+    lines = OUTPUT[proc.pid] = []
+    url = queue.Queue()
+
+    def drain() -> None:  # never let a full pipe block the demo
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"metrics at (http://\S+)", line)
+            if m and line.startswith("gradmon demo"):
+                url.put(m.group(1))
+        url.put(None)
+
+    threading.Thread(target=drain, daemon=True).start()
+    got = url.get(timeout=120)
+    assert got, f"demo exited early with {proc.wait()}: {''.join(lines)[-2000:]}"
+    return proc, got
 
 
 def finish(proc: subprocess.Popen) -> str:
-    # read through the same file object: communicate() would skip what it buffered
     proc.wait(timeout=60)
-    return proc.stdout.read()
+    time.sleep(0.2)  # the drain thread reads the last lines
+    return "".join(OUTPUT[proc.pid])
 
 
-def wait_steps(url: str, steps: int, timeout: float = 60) -> dict:
+def wait_steps(url: str, steps: int, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         s = scrape(url)
-        if value(s, "gradmon_steps_total") >= steps:
+        seen = value(s, "gradmon_steps_total")
+        if seen >= steps:
             return s
-        assert time.monotonic() < deadline, "demo too slow"
+        assert time.monotonic() < deadline, f"demo reached only {seen} of {steps} steps in {timeout} s"
         time.sleep(0.2)
 
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from gradmon import alerting
-from servers import Alertmanager, Prometheus, Webhook, free_port
+from servers import Alertmanager, Prometheus, Webhook, free_port, grafana_substitute
 
 pytestmark = pytest.mark.slow
 
@@ -153,9 +153,7 @@ NEEDS_MULTI_RANK = {("ranks", "Local (pre-all-reduce) norm by rank"),
 
 def substitute(expr: str) -> str:
     """Grafana's substitution for 'All'-style multi-value selections."""
-    return (expr.replace("$__rate_interval", "4s").replace("$__interval", "1s")
-            .replace("$job", JOBS).replace("$model", "(demo)").replace("$rank", "(0)")
-            .replace("$layer", "(blocks.0.fc1|blocks.2.fc1|head)"))
+    return grafana_substitute(expr, job=JOBS, model="(demo)", rank="(0)", layer="(blocks.0.fc1|blocks.2.fc1|head)")
 
 
 def panel_queries():

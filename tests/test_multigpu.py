@@ -15,7 +15,7 @@ import yaml
 
 import ddp_worker
 from conftest import scrape, value
-from servers import Prometheus, free_port
+from servers import Prometheus, free_port, grafana_substitute
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -150,11 +150,8 @@ def test_one_prometheus_scrapes_both_ranks_and_a_diverging_rank_fires_the_rule(t
         for board in ("ranks",):
             for panel in json.loads((Path(__file__).resolve().parents[1] / "dashboards" / f"{board}.json").read_text())["panels"]:
                 if "local" in panel["title"].lower():
-                    expr = panel["targets"][0]["expr"]
-                    for var, val in (("$job", "(ddp)"), ("$model", "(sequential)"), ("$rank", "(0|1)"),
-                                     ("$__rate_interval", "4s")):
-                        expr = expr.replace(var, val)
-                    panels[panel["title"]] = prom.query(expr)
+                    panels[panel["title"]] = prom.query(grafana_substitute(
+                        panel["targets"][0]["expr"], job="(ddp)", model="(sequential)", rank="(0|1)"))
         job.reached("diverge")
     finally:
         job.finish()
