@@ -42,12 +42,28 @@ class Config:
     tls_client_cafile: Optional[str] = None
     """CA bundle: require scrapers to present a client certificate signed by it (mTLS)."""
 
+    tls_key_password: Optional[str] = field(default=None, repr=False)
+    """Pass phrase of an encrypted ``tls_keyfile``. gradmon never prompts for one: an
+    encrypted key without it is a ValueError at attach. The three TLS files are re-read
+    when they change on disk (certificate rotation) without dropping the endpoint."""
+
     basic_auth_user: Optional[str] = None
     """Require HTTP basic auth with this user (and ``basic_auth_password``)."""
 
     basic_auth_password: Optional[str] = field(default=None, repr=False)
     """Password for ``basic_auth_user``; best set through GRADMON_BASIC_AUTH_PASSWORD from
     a secret. Never logged (excluded from the Config's repr)."""
+
+    connection_timeout: float = 10.0
+    """Seconds a connection to the endpoint may live, whatever it sends: a client that
+    drips one byte a second is cut off at this deadline, not kept forever. 10 s is far
+    above a scrape of even a large exposition on a local network."""
+
+    max_connections: int = 64
+    """Most concurrent connections to the endpoint (further capped at a quarter of the
+    process's open-file limit, so scrapers can never exhaust the training job's file
+    descriptors). At the cap a new connection evicts the oldest one that has not sent
+    its request yet, so a scraper always gets through."""
 
     port_offset_by_local_rank: bool = True
     """Serve on ``port + LOCAL_RANK`` so several ranks on one node each get a port."""
@@ -136,10 +152,12 @@ def _fail(option: str, message: str) -> None:
 def _validate(cfg: Config) -> None:
     if not isinstance(cfg.port, int) or isinstance(cfg.port, bool) or not 0 <= cfg.port <= 65535:
         _fail("port", f"must be an integer in 0..65535 (0 picks a free port), got {cfg.port!r}")
+    if not isinstance(cfg.addr, str):  # ip_address() would take an int such as 2130706433
+        _fail("addr", f"must be a string IP address such as '0.0.0.0' or '127.0.0.1', got {cfg.addr!r}")
     try:
         ipaddress.ip_address(cfg.addr)
     except ValueError:
-        if not (isinstance(cfg.addr, str) and cfg.addr == "localhost"):
+        if cfg.addr != "localhost":
             _fail("addr", f"must be an IP address such as 0.0.0.0 or 127.0.0.1, got {cfg.addr!r}")
     for name in ("tls_certfile", "tls_keyfile", "tls_client_cafile"):
         path = getattr(cfg, name)
@@ -149,6 +167,21 @@ def _validate(cfg: Config) -> None:
         _fail("tls_certfile", "is required when tls_keyfile or tls_client_cafile is set")
     if (cfg.basic_auth_user is None) != (cfg.basic_auth_password is None):
         _fail("basic_auth_user", "and basic_auth_password must be set together")
+    for name in ("basic_auth_user", "basic_auth_password", "tls_key_password"):
+        value = getattr(cfg, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            # an empty user or password would otherwise turn authentication off
+            _fail(name, "must be a non-empty string (leave both basic_auth options unset to serve without auth)")
+    if cfg.basic_auth_user is not None and ":" in cfg.basic_auth_user:
+        _fail("basic_auth_user", "must not contain ':' (HTTP basic auth separates user and password with it)")
+    if cfg.tls_key_password is not None and not cfg.tls_certfile:
+        _fail("tls_certfile", "is required when tls_key_password is set")
+    if not isinstance(cfg.connection_timeout, (int, float)) or isinstance(cfg.connection_timeout, bool) \
+            or not 0.5 <= cfg.connection_timeout <= 300:
+        _fail("connection_timeout", f"must be a number of seconds in 0.5..300, got {cfg.connection_timeout!r}")
+    if not isinstance(cfg.max_connections, int) or isinstance(cfg.max_connections, bool) \
+            or not 4 <= cfg.max_connections <= 1024:
+        _fail("max_connections", f"must be an integer in 4..1024, got {cfg.max_connections!r}")
     for name in ("every", "detail_every"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -234,8 +267,12 @@ _ENV_PARSERS: Dict[str, Callable[[str, str], Any]] = {
     "tls_certfile": lambda n, r: r.strip() or None,
     "tls_keyfile": lambda n, r: r.strip() or None,
     "tls_client_cafile": lambda n, r: r.strip() or None,
-    "basic_auth_user": lambda n, r: r.strip() or None,
-    "basic_auth_password": lambda n, r: r or None,
+    # kept as given, even empty: an empty credential is the same error from code and env
+    "basic_auth_user": lambda n, r: r.strip(),
+    "basic_auth_password": lambda n, r: r,
+    "tls_key_password": lambda n, r: r,
+    "connection_timeout": _parse_float,
+    "max_connections": _parse_int,
     "port_offset_by_local_rank": _parse_bool,
     "every": _parse_int,
     "detail_every": _parse_int,

@@ -9,9 +9,12 @@ told apart by the ``model`` label.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple
 
@@ -20,7 +23,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from . import metrics as M
-from . import process
+from . import process, tls
 from .config import Config
 from .server import CachedExposition, MetricsServer
 from .snapshot import Snapshot
@@ -134,6 +137,14 @@ class GradmonCollector:
             self._sources[key] = (source, on_error)
             self._generations[key] = generation
 
+    def report_error(self, stage: str, exc: BaseException) -> None:
+        """An endpoint-wide fault (e.g. a rotated certificate that does not load): every
+        model served here counts it."""
+        with self._lock:
+            handlers = [on_error for _, on_error in self._sources.values()]
+        for on_error in handlers:
+            on_error(stage, exc)
+
     def remove(self, key: int) -> int:
         with self._lock:
             self._sources.pop(key, None)
@@ -170,8 +181,11 @@ class Endpoint:
     collector: GradmonCollector
     server: Optional[MetricsServer] = None
     cache: Optional[CachedExposition] = None
-    users: int = 0
-    scrapes: int = 0
+    users: set = field(default_factory=set)  # keys of the monitors using it
+    scrapes_started: int = 0
+    scrapes: int = 0  # answered to the last byte
+    requested: Tuple[int, int] = (0, 0)  # (port option, port after the rank offset)
+    serving_options: Tuple[object, ...] = ()
     scraped: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -191,15 +205,27 @@ class Endpoint:
         """False once a server thread this endpoint started has died."""
         return self.server is None or self.server.alive()
 
+    def start_scrape(self) -> None:
+        with self.scraped:
+            self.scrapes_started += 1
+
     def count_scrape(self) -> None:
         with self.scraped:
             self.scrapes += 1
             self.scraped.notify_all()
 
     def wait_for_scrape(self, after: int, timeout: float) -> bool:
-        """Block until a scrape beyond the ``after``-th has been served, or ``timeout``."""
+        """Block until more than ``after`` scrapes have been answered, or ``timeout``. With
+        ``after`` the number *started* at some moment, one answered scrape started later."""
+        # in short slices: a Ctrl-C must end the wait at once, not after ``timeout``
+        deadline = time.monotonic() + timeout
         with self.scraped:
-            return self.scraped.wait_for(lambda: self.scrapes > after, timeout)
+            while self.scrapes <= after:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.scraped.wait(min(left, 0.1))
+            return True
 
     def changed(self) -> None:
         """A run state changed without a new snapshot: the next scrape must render anew."""
@@ -210,41 +236,119 @@ class Endpoint:
 _ENDPOINTS: Dict[Tuple[object, ...], Endpoint] = {}
 _ENDPOINTS_LOCK = threading.Lock()
 
+# The options an endpoint is served with. Monitors that share an endpoint must agree on
+# all of them: a second model meant to be behind basic auth must never be served
+# without it just because another model opened the port first.
+_SERVING_OPTIONS = ("tls_certfile", "tls_keyfile", "tls_client_cafile", "tls_key_password",
+                    "basic_auth_user", "basic_auth_password", "connection_timeout", "max_connections")
+_SECRET_OPTIONS = ("tls_key_password", "basic_auth_password")
 
-def acquire(cfg: Config, port: int) -> Endpoint:
-    """The endpoint for these settings, started on first use. Raises OSError when the
-    port cannot be bound; the caller keeps training without an endpoint. Monitors that
-    share a port share its first user's TLS and auth settings."""
+
+def _serving(cfg: Config) -> Tuple[object, ...]:
+    return tuple(getattr(cfg, name) for name in _SERVING_OPTIONS)
+
+
+def _check_same_serving(ep: Endpoint, cfg: Config) -> None:
+    for name, have, want in zip(_SERVING_OPTIONS, ep.serving_options, _serving(cfg)):
+        if have != want:
+            shown = "" if name in _SECRET_OPTIONS else f" ({have!r} there, {want!r} here)"
+            raise ValueError(
+                f"gradmon: option {name!r} differs from the endpoint this monitor would share on "
+                f"{ep.url}{shown}; monitors on one endpoint are served with the same TLS, auth and "
+                "connection settings: use the same options, or another port")
+
+
+def _find_served(addr: str, wanted_port: int, port: int) -> Optional[Endpoint]:
+    """An endpoint of this process that ``attach(port=wanted_port)`` joins: the same
+    address, and the same requested port (before the rank offset; ``port=0`` twice
+    shares one endpoint) or the port it is bound to."""
+    for ep in _ENDPOINTS.values():
+        if ep.server is None or ep.server.addr != addr:
+            continue
+        if (wanted_port, port) == ep.requested or wanted_port == ep.server.port:
+            return ep
+    return None
+
+
+def _warn_about_exposure(cfg: Config) -> None:
+    if cfg.basic_auth_user and not cfg.tls_certfile and not _is_loopback(cfg.addr):
+        log.warning("gradmon: basic auth on %s is served over plain HTTP: the password crosses the network "
+                    "in clear text; set tls_certfile/tls_keyfile, or bind addr=127.0.0.1", cfg.addr)
+    if cfg.tls_certfile:
+        tls.warn_if_expired(cfg.tls_certfile)
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def acquire(cfg: Config, port: int, user: int) -> Endpoint:
+    """The endpoint for these settings, started on first use.
+
+    Raises ValueError (before anything is started) when the TLS files are unusable or
+    the settings differ from the endpoint being joined, and OSError when the port
+    cannot be bound; the caller keeps training without an endpoint on OSError."""
     registry = cfg.registry
-    key: Tuple[object, ...] = ("registry", id(registry)) if registry is not None else ("serve", cfg.addr, port)
     with _ENDPOINTS_LOCK:
-        ep = _ENDPOINTS.get(key)
-        if ep is None:
-            collector = GradmonCollector()
-            if registry is not None:
+        if registry is not None:
+            key: Tuple[object, ...] = ("registry", id(registry))
+            ep = _ENDPOINTS.get(key)
+            if ep is None:
+                collector = GradmonCollector()
                 registry.register(collector)
-                ep = Endpoint(key, registry, collector)
+                ep = _ENDPOINTS[key] = Endpoint(key, registry, collector)
+        else:
+            ep = _find_served(cfg.addr, cfg.port, port)
+            if ep is not None:
+                _check_same_serving(ep, cfg)
             else:
-                own = CollectorRegistry(auto_describe=False)
-                own.register(collector)
-                ep = Endpoint(key, own, collector)
-                ep.cache = CachedExposition(lambda: generate_latest(own), collector.generation)
-                auth = (cfg.basic_auth_user, cfg.basic_auth_password) if cfg.basic_auth_user else None
-                ep.server = MetricsServer(ep.cache.get, addr=cfg.addr, port=port, certfile=cfg.tls_certfile,
-                                          keyfile=cfg.tls_keyfile, client_cafile=cfg.tls_client_cafile,
-                                          basic_auth=auth, on_scrape=ep.count_scrape)
-                log.info("gradmon: serving metrics on %s", ep.url)
-            _ENDPOINTS[key] = ep
-        ep.users += 1
+                ep = _serve(cfg, port)
+                _ENDPOINTS[ep.key] = ep
+        ep.users.add(user)
         return ep
 
 
+def _serve(cfg: Config, port: int) -> Endpoint:
+    collector = GradmonCollector()
+    context = None
+    if cfg.tls_certfile:
+        files = tls.TLSFiles(cfg.tls_certfile, cfg.tls_keyfile, cfg.tls_client_cafile, cfg.tls_key_password)
+        context = tls.ReloadingContext(files, lambda exc: collector.report_error("server", exc))
+    own = CollectorRegistry(auto_describe=False)
+    own.register(collector)
+    ep = Endpoint(("serve", cfg.addr, port), own, collector, requested=(cfg.port, port),
+                  serving_options=_serving(cfg))
+    ep.cache = CachedExposition(lambda: generate_latest(own), collector.generation)
+    auth = (cfg.basic_auth_user, cfg.basic_auth_password) if cfg.basic_auth_user is not None else None
+    ep.server = MetricsServer(ep.cache.get, addr=cfg.addr, port=port, tls=context, basic_auth=auth,
+                              connection_timeout=cfg.connection_timeout, max_connections=cfg.max_connections,
+                              on_scrape=ep.count_scrape, on_scrape_start=ep.start_scrape)
+    _warn_about_exposure(cfg)
+    log.info("gradmon: serving metrics on %s", ep.url)
+    return ep
+
+
+def _after_fork_in_child() -> None:
+    """A forked child serves nothing of its parent's (the server module closes the
+    sockets): forget the endpoints, so that a monitor attached in the child starts its own."""
+    global _ENDPOINTS_LOCK
+    _ENDPOINTS_LOCK = threading.Lock()  # another thread may have held it at fork time
+    _ENDPOINTS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def release(ep: Endpoint, source_key: int) -> None:
-    """Forget one monitor; the last one out stops the server and frees the port."""
+    """Forget one monitor; the last one out stops the server and frees the port. Safe to
+    call again after it failed: a detach() that is retried must not count twice."""
     with _ENDPOINTS_LOCK:
         ep.collector.remove(source_key)
-        ep.users -= 1
-        if ep.users > 0:
+        ep.users.discard(source_key)
+        if ep.users:
             return
         _ENDPOINTS.pop(ep.key, None)
     if ep.server is not None:

@@ -62,6 +62,16 @@ def attach():
 
 
 @pytest.fixture(autouse=True)
+def _fresh_process_counters():
+    """Each test starts as a new process would: no counters carried over from an earlier
+    test's monitor of the same name (gradmon continues them within a process)."""
+    from gradmon import monitor
+    monitor._CARRIED.clear()
+    yield
+    monitor._CARRIED.clear()
+
+
+@pytest.fixture(autouse=True)
 def _no_gradmon_env(monkeypatch):
     for key in list(os.environ):
         if key.startswith("GRADMON_"):
@@ -75,3 +85,54 @@ def _no_leaked_threads():
     leaked = [t for t in threading.enumerate()
               if t.ident not in before and t.name.startswith("gradmon") and t.is_alive()]
     assert not leaked, f"gradmon threads left running: {leaked}"
+
+
+class PKI:
+    """Real certificates made by the openssl CLI: a CA, server and client certificates for
+    127.0.0.1, and whatever odd files a test asks for (expired, encrypted, mismatched)."""
+
+    def __init__(self, root) -> None:
+        self.dir = root
+        self.openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+                     "-days", "2", "-subj", "/CN=test-ca")
+        (root / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+        for name in ("server", "client"):
+            self.issue(name)
+
+    def openssl(self, *args: str) -> None:
+        import subprocess
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=self.dir)
+
+    def issue(self, name: str, *dates: str) -> "tuple":
+        """A key and a CA-signed certificate ``name.pem``/``name.key``; ``dates`` as
+        (startdate, enddate) in openssl's YYYYMMDDHHMMSSZ make e.g. an expired one."""
+        self.openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                     "-subj", f"/CN={name}")
+        if dates:
+            (self.dir / "ca.cnf").write_text("[ca]\ndefault_ca=d\n[d]\ndatabase=index.txt\nnew_certs_dir=.\n"
+                                             "serial=serial\ndefault_md=sha256\npolicy=p\n[p]\ncommonName=supplied\n")
+            (self.dir / "index.txt").write_text("")
+            (self.dir / "serial").write_text("1000\n")
+            self.openssl("ca", "-batch", "-config", "ca.cnf", "-cert", "ca.pem", "-keyfile", "ca.key", "-in",
+                         f"{name}.csr", "-out", f"{name}.pem", "-startdate", dates[0], "-enddate", dates[1], "-notext")
+        else:
+            self.openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                         "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext")
+        return self.dir / f"{name}.pem", self.dir / f"{name}.key"
+
+    def client_context(self, with_cert: bool = False):
+        import ssl
+        ctx = ssl.create_default_context(cafile=str(self.dir / "ca.pem"))
+        if with_cert:
+            ctx.load_cert_chain(self.dir / "client.pem", self.dir / "client.key")
+        return ctx
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> PKI:
+    import shutil
+    if not shutil.which("openssl"):
+        if os.environ.get("CI") == "true":
+            pytest.fail("openssl CLI not found (Debian package openssl)")
+        pytest.skip("openssl CLI not found")
+    return PKI(tmp_path_factory.mktemp("pki"))

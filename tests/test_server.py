@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import base64
 import http.client
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,32 +24,6 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(3, 3))
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Path:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, made by openssl."""
-    if not shutil.which("openssl"):
-        pytest.skip("openssl CLI not found")
-    d = tmp_path_factory.mktemp("pki")
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test-ca")
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    for name in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext")
-    return d
-
-
-def tls_client(pki: Path, with_cert: bool) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
-    if with_cert:
-        ctx.load_cert_chain(pki / "client.pem", pki / "client.key")
-    return ctx
-
-
 def get(url: str, **kw) -> "tuple[int, bytes, dict]":
     try:
         with urllib.request.urlopen(urllib.request.Request(url, **kw), timeout=5) as r:
@@ -63,9 +34,9 @@ def get(url: str, **kw) -> "tuple[int, bytes, dict]":
 
 def test_tls_serves_a_real_tls_client_and_refuses_plaintext(pki):
     with gradmon.attach(model(), port=0, addr="127.0.0.1", final_scrape_timeout=0,
-                        tls_certfile=str(pki / "server.pem"), tls_keyfile=str(pki / "server.key")) as mon:
+                        tls_certfile=str(pki.dir / "server.pem"), tls_keyfile=str(pki.dir / "server.key")) as mon:
         assert mon.url.startswith("https://")
-        body = urllib.request.urlopen(mon.url, timeout=5, context=tls_client(pki, False)).read().decode()
+        body = urllib.request.urlopen(mon.url, timeout=5, context=pki.client_context(False)).read().decode()
         assert value(parse(body), "gradmon_steps_total") == 0
         with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
             urllib.request.urlopen(mon.url.replace("https", "http"), timeout=5).read()
@@ -73,11 +44,11 @@ def test_tls_serves_a_real_tls_client_and_refuses_plaintext(pki):
 
 def test_client_certificate_required_when_a_client_ca_is_set(pki):
     with gradmon.attach(model(), port=0, addr="127.0.0.1", final_scrape_timeout=0,
-                        tls_certfile=str(pki / "server.pem"), tls_keyfile=str(pki / "server.key"),
-                        tls_client_cafile=str(pki / "ca.pem")) as mon:
+                        tls_certfile=str(pki.dir / "server.pem"), tls_keyfile=str(pki.dir / "server.key"),
+                        tls_client_cafile=str(pki.dir / "ca.pem")) as mon:
         with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
-            urllib.request.urlopen(mon.url, timeout=5, context=tls_client(pki, False)).read()
-        body = urllib.request.urlopen(mon.url, timeout=5, context=tls_client(pki, True)).read()
+            urllib.request.urlopen(mon.url, timeout=5, context=pki.client_context(False)).read()
+        body = urllib.request.urlopen(mon.url, timeout=5, context=pki.client_context(True)).read()
         assert b"gradmon_steps_total" in body
 
 
@@ -113,7 +84,7 @@ def test_only_get_and_head_of_the_metrics_path(attach):
 
 
 def test_slow_and_idle_clients_do_not_block_the_next_scrape(attach):
-    mon = attach(model())
+    mon = attach(model(), connection_timeout=2)
     host, port = "127.0.0.1", mon.port
     hogs = []
     for _ in range(50):  # idle connections that never send a byte
@@ -125,7 +96,7 @@ def test_slow_and_idle_clients_do_not_block_the_next_scrape(attach):
     status, body, _ = get(mon.url)
     assert status == 200 and b"gradmon_steps_total" in body
     assert time.monotonic() - t0 < 2.0
-    time.sleep(5.5)  # the per-connection deadline (5 s) closes the stalled ones
+    time.sleep(3)  # the per-connection deadline (2 s) closes the stalled ones
     slow.settimeout(2)
     assert slow.recv(100) == b""  # EOF: the server hung up on the half-sent request
     for s in hogs + [slow]:
