@@ -79,8 +79,10 @@ def _gradmon(**options) -> Callable:
 
         def teardown():
             mon.flush(10)
+            # this monitor's own figures: the exported counters continue across attaches
+            # of the same model name, so steps_total counts every earlier segment too
             state["overhead_s"] = mon._recorder.overhead if mon._recorder else 0.0
-            state["steps"] = mon.snapshot().steps_total
+            state["steps"] = mon._recorder.steps if mon._recorder else 0
             mon.detach()
         return teardown
     return setup

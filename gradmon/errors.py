@@ -33,6 +33,12 @@ class ErrorLog:
                       "are only counted in gradmon_hook_errors_total", self._model, stage, stage,
                       exc_info=(type(exc), exc, exc.__traceback__))
 
+    def resume(self, counts: Dict[str, int]) -> None:
+        """Continue an earlier monitor's counts (same model name and labels)."""
+        with self._lock:
+            for stage, n in counts.items():
+                self._counts[stage] = self._counts.get(stage, 0) + n
+
     def total(self) -> int:
         return sum(self._counts.values())  # read without the lock: a stale sum only delays a render
 

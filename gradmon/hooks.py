@@ -8,11 +8,15 @@
   ``torch.compile`` one module backward hook makes the whole model run eagerly. A
   tensor hook registered before an in-place op receives the gradient of the value the
   layer returned, which is exactly gradient flow, and covers the same layers.
-* A tensor hook on the root module's output fires when backward starts and queues an
-  end-of-backward callback; the callback re-queues itself once so that it runs after
-  the callbacks DDP and FSDP queue during backward (their gradient reduction finishes
-  there). It then reduces every parameter gradient: the accumulated, reduced gradient,
-  before any ``clip_grad_norm_`` the user calls between backward and step.
+* The first hook of a backward pass (a monitored parameter's post-accumulate-grad
+  hook, a grad-flow hook, or a tensor hook on the root module's output for FSDP2, whose
+  sharded parameters never run AccumulateGrad) queues one end-of-backward callback for
+  that pass, identified by its graph task: a pass that raised never runs its callback,
+  and the next one must not be mistaken for it. The callback re-queues itself once so
+  that it runs after the callbacks DDP and FSDP queue during backward (their gradient
+  reduction finishes there). It then reduces every parameter gradient: the accumulated,
+  reduced gradient, before any ``clip_grad_norm_`` the user calls between backward and
+  step, whichever module's forward the user called.
 * Global optimizer step hooks close the step: one packet, one device-to-host copy.
 
 Between detail steps (``detail_every``) the forward hooks return at once. Nothing here
@@ -22,6 +26,7 @@ reads a device value on the host.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import weakref
 from functools import partial
@@ -38,6 +43,8 @@ from .config import Config
 from .errors import ErrorLog
 from .layers import Layer, is_floating
 from .snapshot import GlobalStepUpdate, StepPacket
+
+log = logging.getLogger("gradmon")
 
 
 def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
@@ -91,8 +98,51 @@ def _optimizer_step_value(opt: torch.optim.Optimizer) -> Optional[int]:
     return None
 
 
+class _Records:
+    """One kind of per-call record (activations, or gradient flow) of the current step.
+
+    Records become part of the step only when what produced them completed: a forward
+    that raised, or a backward that raised (KeyboardInterrupt, OOM), must not leak its
+    partial statistics into the next step. ``commit()`` marks the records so far as
+    complete; ``drop_pending()`` forgets the rest."""
+
+    __slots__ = ("f", "i", "meta", "committed")
+
+    def __init__(self) -> None:
+        self.f: List[torch.Tensor] = []
+        self.i: List[torch.Tensor] = []
+        self.meta: List[Any] = []
+        self.committed = 0
+
+    def add(self, f: torch.Tensor, i: torch.Tensor, meta: Any) -> None:
+        self.f.append(f)
+        self.i.append(i)
+        self.meta.append(meta)
+
+    def commit(self) -> None:
+        self.committed = len(self.meta)
+
+    def pending(self) -> bool:
+        return len(self.meta) > self.committed
+
+    def drop_pending(self) -> None:
+        n = self.committed
+        del self.f[n:], self.i[n:], self.meta[n:]
+
+
+def _graph_task_id() -> int:
+    """Which backward pass is running (-1 outside one). A backward that raised never runs
+    its queued callbacks, so "a callback is queued" must be tied to one pass, not a flag."""
+    return torch._C._current_graph_task_id()
+
+
 class Recorder:
-    """Per-step state of one monitor on the training thread: device tensors and small lists."""
+    """Per-step state of one monitor on the training thread: device tensors and small lists.
+
+    Parameters are held by (module, attribute name), never by reference: a parameter
+    replaced after attach (a new ``nn.Parameter``, ``load_state_dict(assign=True)``) is
+    measured in place of the old one, and the old one can be freed.
+    """
 
     def __init__(self, layers: Sequence[Layer], cfg: Config, errors: ErrorLog,
                  publish: Callable[[object], None], local_view: bool = False) -> None:
@@ -100,45 +150,108 @@ class Recorder:
         self.local_view = local_view
         self.errors = errors
         self.publish = publish
-        self.params: List[nn.Parameter] = [p for layer in layers for p in layer.params]
+        self._slots: List[Tuple[weakref.ref, str]] = []
+        for layer in layers:
+            names = {id(p): n for n, p in layer.module._parameters.items() if p is not None}
+            self._slots += [(weakref.ref(layer.module), names[id(p)]) for p in layer.params]
         self.param_layer: Tuple[int, ...] = tuple(layer.index for layer in layers for _ in layer.params)
-        self._param_ids = frozenset(id(p) for p in self.params)
-        self._shard_groups = sharded.plan(self.params)
+        params = self.current_params()
+        self._shard_groups = sharded.plan(params)
         self.sharded = bool(self._shard_groups)
+        self._param_hooks: List[Any] = []
+        self._hooked: List[Optional[weakref.ref]] = []
         self._measure_failed = False
         self.scaler = cfg.scaler
         self._scale: Optional[torch.Tensor] = None  # loss scale during this step's backward
         self._stepped = False
-        self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
-        self._primary: Optional[weakref.ref] = None
+        self._owned: Dict[int, Tuple[Any, bool]] = {}  # id(optimizer) -> (weakref, mine)
+        self._primary: Optional[Any] = None
         self.active = True
         self.overhead = 0.0
         self.steps = 0
         self.step_offset = 0
         self.detail_now = True
         self._grad: Optional[Tuple[torch.Tensor, Tuple[int, ...]]] = None
-        self._backward_queued = False
-        self._fresh_backward = False
+        self._task = -2  # graph task whose end-of-backward callback is queued
+        self._accumulated = False  # autograd accumulated a monitored gradient in this backward
+        self._fresh_backward = False  # self._grad holds this step's gradients
+        self._measured_at_step = False
+        self._said_measured_at_step = False
         self._last_step_by_optimizer = False
         self._reset_records()
 
     def _reset_records(self) -> None:
-        self._act_f: List[torch.Tensor] = []
-        self._act_i: List[torch.Tensor] = []
-        self._act_meta: List[Tuple[int, int]] = []
-        self._flow_f: List[torch.Tensor] = []
-        self._flow_i: List[torch.Tensor] = []
-        self._flow_meta: List[int] = []
+        self._act = _Records()  # activations: complete once the root forward returned
+        self._flow = _Records()  # gradient flow: complete once its backward pass ended
         self._local: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._local_pending: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # this pass's, until it ends
+
+    def current_params(self) -> List[Optional[torch.Tensor]]:
+        """The monitored parameters as the modules hold them now (None: gone)."""
+        out: List[Optional[torch.Tensor]] = []
+        for ref, name in self._slots:
+            module = ref()
+            p = module._parameters.get(name) if module is not None else None
+            out.append(p if p is not None and p.requires_grad else None)
+        return out
 
     def release(self) -> None:
         """Drop every reference to the model so it can be garbage-collected after detach."""
         self.active = False
-        self.params = []
+        self._remove_param_hooks()
         self._grad = None
         self._reset_records()
 
+    # -- parameter hooks -----------------------------------------------------------
+
+    def hook_params(self) -> bool:
+        """(Re-)register the post-accumulate-grad hook of every monitored parameter, on
+        the parameters the modules hold now; True if any changed. Cheap when none did."""
+        params = self.current_params()
+        if len(self._hooked) == len(params) and all(
+                (r is None and p is None) or (r is not None and r() is p) for r, p in zip(self._hooked, params)):
+            return False
+        if self._hooked:
+            log.warning("gradmon: monitored parameters were replaced after attach (new nn.Parameter or "
+                        "load_state_dict(assign=True)); measuring the new ones")
+            self._owned.clear()
+            self._primary = None
+        self._remove_param_hooks()
+        self._hooked = [weakref.ref(p) if p is not None else None for p in params]
+        for i, p in enumerate(params):
+            if p is not None:
+                self._param_hooks.append(p.register_post_accumulate_grad_hook(partial(self.on_param_grad, i)))
+        return True
+
+    def _remove_param_hooks(self) -> None:
+        handles, self._param_hooks = self._param_hooks, []
+        for h in handles:
+            h.remove()
+
+    def on_param_grad(self, param: int, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: autograd accumulated this gradient in this backward.
+        It runs inside AccumulateGrad, before DDP's reducer copies the gradient into its
+        bucket, so ``p.grad`` is still this rank's own (the local view)."""
+        if not self.active:
+            return
+        t0 = perf_counter()
+        try:
+            self._accumulated = True
+            self._enter_backward()
+            if self.local_view and p.grad is not None:
+                self._local_pending[param] = stats.gradient_record(sharded.local(p.grad))
+        except Exception as exc:
+            self.errors.record("backward", exc)
+        finally:
+            self.overhead += perf_counter() - t0
+
     # -- forward / grad flow -------------------------------------------------------
+
+    @torch._dynamo.disable
+    def on_root_forward_pre(self, module: nn.Module, inputs: Any) -> None:
+        """A forward whose root never returned (it raised) left records: drop them."""
+        if self.active and self._act.pending():
+            self._act.drop_pending()
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
         if _compiling():
@@ -154,9 +267,7 @@ class Recorder:
                     continue
                 if self.cfg.activations:
                     f, i = stats.activation_record(t)
-                    self._act_f.append(f)
-                    self._act_i.append(i)
-                    self._act_meta.append((layer, t.numel()))
+                    self._act.add(f, i, (layer, t.numel()))
                 if self.cfg.grad_flow and t.requires_grad:
                     t.register_hook(partial(self.on_grad_flow, layer))
         except Exception as exc:
@@ -169,26 +280,11 @@ class Recorder:
             return
         t0 = perf_counter()
         try:
+            self._enter_backward()
             f, i = stats.gradient_record(grad)
-            self._flow_f.append(f)
-            self._flow_i.append(i)
-            self._flow_meta.append(layer)
+            self._flow.add(f, i, layer)
         except Exception as exc:
             self.errors.record("grad_flow", exc)
-        finally:
-            self.overhead += perf_counter() - t0
-
-    def on_local_grad(self, param: int, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: runs inside AccumulateGrad, before DDP's reducer
-        copies the gradient into its bucket, so ``p.grad`` is still this rank's own
-        (accumulated over ``no_sync`` micro-batches). The latest call per parameter wins."""
-        if not self.active or p.grad is None:
-            return
-        t0 = perf_counter()
-        try:
-            self._local[param] = stats.gradient_record(p.grad)
-        except Exception as exc:
-            self.errors.record("backward", exc)
         finally:
             self.overhead += perf_counter() - t0
 
@@ -198,7 +294,10 @@ class Recorder:
     def on_root_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
         """Runs eagerly even when the model is compiled (a graph break after the whole
         forward, not inside it), so end-of-backward measurement works under compile."""
-        if not (self.active and torch.is_grad_enabled()):
+        if not self.active:
+            return
+        self._act.commit()
+        if not torch.is_grad_enabled():
             return
         try:
             for t in iter_tensors(output):
@@ -208,41 +307,64 @@ class Recorder:
             self.errors.record("backward", exc)
 
     def _on_backward_start(self, grad: torch.Tensor) -> None:
-        if self._backward_queued or not self.active:
+        if not self.active:
             return
         try:
-            Variable._execution_engine.queue_callback(self._after_backward_queued)
-            self._backward_queued = True
+            self._enter_backward()
         except Exception as exc:
             self.errors.record("backward", exc)
 
+    def _enter_backward(self) -> None:
+        """First hook of a backward pass: queue its end-of-backward callback once. A pass
+        that raised never ran its callback and left partial records: drop them."""
+        task = _graph_task_id()
+        if task == self._task:
+            return
+        self._flow.drop_pending()
+        self._local_pending = {}
+        self._task = task
+        Variable._execution_engine.queue_callback(self._after_backward_queued)
+
     def _after_backward_queued(self) -> None:
+        # Re-queued once so that it runs after the callbacks DDP and FSDP queue during
+        # backward: their gradient reduction finishes there.
         try:
             Variable._execution_engine.queue_callback(self._after_backward)
         except Exception as exc:
-            self._backward_queued = False
             self.errors.record("backward", exc)
 
     def _after_backward(self) -> None:
-        self._backward_queued = False
         if not self.active:
             return
         t0 = perf_counter()
         try:
-            self._scale = amp.scale_tensor(self.scaler)
-            self._measure_grads()
+            self._act.commit()  # reentrant checkpointing re-runs forwards inside backward
+            self._flow.commit()
+            self._local.update(self._local_pending)
+            self._local_pending = {}
+            # Without an accumulated gradient (torch.autograd.grad, .grad assigned by
+            # hand later) there is nothing to measure yet: the optimizer step will.
+            # FSDP2 assigns sharded gradients itself, after its own callbacks. Parameters
+            # replaced since the last step had no hook yet: they get one now.
+            if not (self._accumulated or self.sharded) and self.hook_params():
+                self._accumulated = True
+            if self._accumulated or self.sharded:
+                self._accumulated = False
+                self._scale = amp.scale_tensor(self.scaler)
+                self._fresh_backward = True  # even if measuring fails: the step must still count
+                self._measured_at_step = False
+                self._measure_grads()
         except Exception as exc:
             self._measure_failed = True
             self.errors.record("backward", exc)
         finally:
-            self._fresh_backward = True  # even if measuring failed: the step must still count
             self.overhead += perf_counter() - t0
 
     def _measure_grads(self) -> None:
         present: List[int] = []
         grads: List[torch.Tensor] = []
-        for i, p in enumerate(self.params):
-            g = p.grad
+        for i, p in enumerate(self.current_params()):
+            g = p.grad if p is not None else None
             if g is not None:
                 present.append(i)
                 grads.append(sharded.local(g))  # a shard's own elements; summed at the step
@@ -255,25 +377,37 @@ class Recorder:
     # -- step boundary -------------------------------------------------------------
 
     def owns(self, opt: torch.optim.Optimizer) -> bool:
-        try:
-            return self._owned[opt]
-        except KeyError:
-            mine = any(id(p) in self._param_ids for g in opt.param_groups for p in g["params"])
-            self._owned[opt] = mine
-            if mine and self._primary is None:
-                self._primary = weakref.ref(opt)
-            return mine
+        """Whether ``opt`` steps monitored parameters. Keyed by id with a weak reference,
+        never by hash: an optimizer class may define ``__eq__`` and be unhashable."""
+        known = self._owned.get(id(opt))
+        if known is not None and known[0]() is opt:
+            return known[1]
+        ids = {id(p) for p in self.current_params() if p is not None}
+        mine = any(id(p) in ids for g in opt.param_groups for p in g["params"])
+        self._owned[id(opt)] = (weakref.ref(opt), mine)
+        if mine and (self._primary is None or self._primary() is None):
+            self._primary = weakref.ref(opt)
+        return mine
 
     def on_optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.active or not self.owns(opt):
+        # A global hook: it runs for every optimizer in the process, so nothing may escape.
+        try:
+            if not self.active or not self.owns(opt):
+                return
+        except Exception as exc:
+            self.errors.record("step", exc)
             return
         t0 = perf_counter()
         try:
-            # No end-of-backward callback ran (the root forward was bypassed): measure
-            # now, after any clipping. Only for the first optimizer, so that a second
-            # optimizer over the same model does not count the step twice.
+            # No backward accumulated a monitored gradient since the last step (.grad
+            # assigned by hand, or the closure's backward is still to come): measure
+            # now, after any clipping; a backward inside the closure measures again.
+            # Only for the first optimizer, so that a second optimizer over the same
+            # model does not count the step twice.
             if not self._fresh_backward and self._primary is not None and self._primary() is opt:
                 self._fresh_backward = True
+                self._measured_at_step = True
+                self._scale = amp.scale_tensor(self.scaler)
                 self._measure_grads()
         except Exception as exc:
             self._measure_failed = True
@@ -282,13 +416,13 @@ class Recorder:
             self.overhead += perf_counter() - t0
 
     def on_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.active or not self.owns(opt) or not self._fresh_backward:
-            return
-        gs: Optional[int] = None
         try:
+            if not self.active or not self.owns(opt) or not self._fresh_backward:
+                return
             gs = _optimizer_step_value(opt)
         except Exception as exc:
             self.errors.record("step", exc)
+            return
         self.end_step(gs, by_optimizer=True)
 
     def manual_step(self, global_step: Optional[int]) -> None:
@@ -303,6 +437,7 @@ class Recorder:
         if not self._fresh_backward:
             t0 = perf_counter()
             try:
+                self._measured_at_step = True
                 self._measure_grads()
             except Exception as exc:
                 self.errors.record("step", exc)
@@ -329,11 +464,7 @@ class Recorder:
         except Exception as exc:
             self.errors.record("step", exc)
         finally:
-            self._grad = None
-            self._scale = None
-            self._measure_failed = False
-            self._fresh_backward = False
-            self._reset_records()
+            self._close_step()
             self.overhead += perf_counter() - t0
 
     def end_step(self, optimizer_step: Optional[int], by_optimizer: bool) -> None:
@@ -345,6 +476,11 @@ class Recorder:
         if self._shard_groups:
             self._reduce_shards()
         try:
+            if self._measured_at_step:
+                self._say_measured_at_step()
+            # what a forward or backward that did not complete recorded is not this step's
+            self._act.drop_pending()
+            self._flow.drop_pending()
             packet = self._build_packet(packet)
         except Exception as exc:
             self.errors.record("step", exc)
@@ -352,15 +488,32 @@ class Recorder:
             self.publish(packet)
         except Exception as exc:  # pragma: no cover - SimpleQueue.put does not fail
             self.errors.record("step", exc)
+        self._close_step()
+        self._last_step_by_optimizer = by_optimizer
+        self.steps += 1
+        self.detail_now = self.steps % self.cfg.detail_every == 0
+        try:
+            self.hook_params()  # parameters replaced since the last step get their hooks
+        except Exception as exc:
+            self.errors.record("step", exc)
+        self.overhead += perf_counter() - t0
+
+    def _close_step(self) -> None:
         self._grad = None
         self._scale = None
         self._measure_failed = False
         self._fresh_backward = False
-        self._last_step_by_optimizer = by_optimizer
+        self._accumulated = False
+        self._measured_at_step = False
         self._reset_records()
-        self.steps += 1
-        self.detail_now = self.steps % self.cfg.detail_every == 0
-        self.overhead += perf_counter() - t0
+
+    def _say_measured_at_step(self) -> None:
+        if self._said_measured_at_step:
+            return
+        self._said_measured_at_step = True
+        log.warning("gradmon: gradients reached the optimizer without autograd accumulating them into the "
+                    "monitored parameters (e.g. .grad assigned by hand after torch.autograd.grad); they are "
+                    "measured at the optimizer step, after any clipping")
 
     def _reduce_shards(self) -> None:
         """The step's collective: every rank calls it at every step, whatever failed before."""
@@ -389,15 +542,16 @@ class Recorder:
                 block = torch.cat((block[:1] * inv_sq.to(block.device), block[1:]))
             parts.append(block)
             home = block.device
-        if self._act_f:
-            home = home or self._act_f[0].device
-            parts += [stats.stack_records(self._act_f, home), stats.stack_records(self._act_i, home)]
-        if self._flow_f:
-            home = home or self._flow_f[0].device
-            flow = stats.stack_records(self._flow_f, home)
+        act, flow = self._act, self._flow
+        if act.f:
+            home = home or act.f[0].device
+            parts += [stats.stack_records(act.f, home), stats.stack_records(act.i, home)]
+        if flow.f:
+            home = home or flow.f[0].device
+            flow_norms = stats.stack_records(flow.f, home)
             if inv is not None:
-                flow = flow.double() * inv.to(home)
-            parts += [flow, stats.stack_records(self._flow_i, home)]
+                flow_norms = flow_norms.double() * inv.to(home)
+            parts += [flow_norms, stats.stack_records(flow.i, home)]
         local_params = tuple(sorted(self._local))
         if local_params:
             records = [self._local[i] for i in local_params]
@@ -412,7 +566,7 @@ class Recorder:
         data, event = stats.to_host(stats.pack(parts, home))
         return dataclasses.replace(
             packet, data=data, event=event, grad_params=grad_params,
-            act_meta=tuple(self._act_meta), flow_meta=tuple(self._flow_meta), local_params=local_params,
+            act_meta=tuple(act.meta), flow_meta=tuple(flow.meta), local_params=local_params,
             amp_scale=self._scale is not None,
             sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
 
@@ -429,12 +583,11 @@ class HookSet:
                 for layer in layers:
                     self._handles.append(layer.module.register_forward_hook(
                         partial(recorder.on_forward, layer.index)))
+            self._handles.append(root.register_forward_pre_hook(recorder.on_root_forward_pre))
             self._handles.append(root.register_forward_hook(recorder.on_root_forward))
             if recorder.scaler is not None:
                 self._handles.append(amp.UpdateHook(recorder.scaler, recorder.on_scaler_update))
-            if recorder.local_view:
-                for i, p in enumerate(recorder.params):
-                    self._handles.append(p.register_post_accumulate_grad_hook(partial(recorder.on_local_grad, i)))
+            recorder.hook_params()
             self._handles.append(register_optimizer_step_pre_hook(recorder.on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(recorder.on_optimizer_post))
         except BaseException:
@@ -442,9 +595,16 @@ class HookSet:
             raise
 
     def remove(self) -> None:
+        """Removes every handle, even if one of them fails; the first failure is raised after."""
         handles, self._handles = self._handles, []
+        failure: Optional[BaseException] = None
         for handle in handles:
-            handle.remove()
+            try:
+                handle.remove()
+            except Exception as exc:  # noqa: BLE001
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def __len__(self) -> int:
         return len(self._handles)

@@ -83,7 +83,7 @@ AMP_SKIPPED_STEPS = _spec("amp_skipped_steps", "counter", (),
 AMP_LOSS_SCALE = _spec("amp_loss_scale", "gauge", (), "The GradScaler's loss scale at the last step.")
 NONFINITE_STEPS = _spec("nonfinite_steps", "counter", (),
                         "Optimizer steps in which any monitored tensor held a non-finite element.")
-STEPS = _spec("steps", "counter", (), "Optimizer steps seen since attach.")
+STEPS = _spec("steps", "counter", (), "Optimizer steps seen since the first attach of this model name and labels in this process.")
 STEP = _spec("step", "gauge", (),
              "The training's own global step at the last optimizer step (from the optimizer state or monitor.step(n)).")
 LAST_STEP_TIMESTAMP = _spec("last_step_timestamp_seconds", "gauge", (),

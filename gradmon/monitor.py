@@ -8,6 +8,7 @@ thread and joins or starts the exporter endpoint. ``detach()`` undoes all of it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Dict, FrozenSet, Optional, Tuple
@@ -30,7 +31,11 @@ log = logging.getLogger("gradmon")
 
 _LOCK = threading.RLock()
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Monitor]" = weakref.WeakKeyDictionary()
-_NAMES_IN_USE: Dict[str, int] = {}
+_NAMES_IN_USE: Dict[str, "Monitor"] = {}
+_LIVE: "weakref.WeakSet[Monitor]" = weakref.WeakSet()
+# Counters of detached monitors, by (model name, labels): a monitor attached again under
+# the same name continues them, so they never go backwards within a process.
+_CARRIED: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], Tuple[Dict[str, object], Dict[str, int], float]] = {}
 
 
 def _version() -> str:
@@ -66,6 +71,9 @@ class Monitor:
         self._snapshot = Snapshot()
         self._labels: Dict[str, str] = {}
         self._reduced_per_layer = True
+        self._pid = os.getpid()
+        self._overhead_before = 0.0  # carried from an earlier monitor of this name (exported only)
+        self._overhead_at_detach = 0.0
 
     # -- public surface --------------------------------------------------------------
 
@@ -125,33 +133,81 @@ class Monitor:
         return dict(self._snapshot.coverage)
 
     def detach(self) -> None:
-        """Remove every hook, stop the publisher and (last user) the HTTP server."""
+        """Remove every hook, stop the publisher and (last user) the HTTP server.
+
+        Safe from any thread, including gradmon's own publisher thread (a "stop on NaN"
+        ``on_nonfinite`` callback), and idempotent: each part of the teardown is undone
+        once, and a part that failed is tried again by the next call. A Ctrl-C during the
+        final-scrape wait ends the wait, not the teardown; it is re-raised afterwards."""
         with _LOCK:
-            if self._state in ("detached", "disabled"):
+            if self._state == "disabled" or (self._state == "detached" and not self._teardown_left()):
                 return
+            first = self._state != "detached"
             self._state = "detached"
-            self._hooks.remove()
-            if self._recorder is not None:
-                self._recorder.release()
-            if self._publisher is not None:
-                self._publisher.close()
-            self._finish_run_state()
-            if self._endpoint is not None:
-                exporter.release(self._endpoint, id(self))
-                self._endpoint = None
-            _NAMES_IN_USE.pop(self.name, None)
+        self._teardown(final_scrape=first)
+
+    def _teardown_left(self) -> bool:
+        return bool(len(self._hooks)) or self._recorder is not None or self._publisher is not None \
+            or self._endpoint is not None or _NAMES_IN_USE.get(self.name) is self
+
+    def _teardown(self, final_scrape: bool) -> None:
+        interrupted: Optional[BaseException] = None
+        forked = self._pid != os.getpid()  # an inherited monitor: the parent owns the endpoint
+        for part in (self._stop_measuring, self._stop_publisher,
+                     lambda: None if forked or not final_scrape else self._finish_run_state(),
+                     lambda: self._drop_endpoint(forked), self._forget):
+            try:
+                part()
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+            except Exception as exc:  # noqa: BLE001 - the rest of the teardown must still run
+                log.error("gradmon[%s]: error while detaching (%s); detach() again retries the rest",
+                          self.name, exc, exc_info=True)
+        if interrupted is not None:
+            raise interrupted
+
+    def _stop_measuring(self) -> None:
+        self._hooks.remove()
+        if self._recorder is not None:
+            self._recorder.release()
+            self._overhead_at_detach = self._overhead_before + self._recorder.overhead
+            self._recorder = None
+
+    def _stop_publisher(self) -> None:
+        if self._publisher is not None:
+            publisher = self._publisher
+            publisher.close()
+            _CARRIED[self._carry_key()] = (publisher.counters(), self._errors.counts(), self._overhead_at_detach)
+            self._publisher = None
+
+    def _drop_endpoint(self, forked: bool) -> None:
+        if self._endpoint is not None:
+            if not forked:
+                exporter.release(self._endpoint, id(self))  # if this fails, the next detach() retries it
+            self._endpoint = None
+
+    def _forget(self) -> None:
+        with _LOCK:
+            if _NAMES_IN_USE.get(self.name) is self:
+                del _NAMES_IN_USE[self.name]
             model = self._model_ref() if self._model_ref is not None else None
             if model is not None and _ATTACHED.get(model) is self:
                 del _ATTACHED[model]
 
+    def _carry_key(self) -> Tuple[str, Tuple[Tuple[str, str], ...]]:
+        return self.name, tuple(sorted(self._labels.items()))
+
     def _finish_run_state(self) -> None:
-        """Set "finished" and let a scraping Prometheus see it once before the endpoint goes."""
-        scrapes = self._endpoint.scrapes if self._endpoint is not None else 0
+        """Set "finished" and let a scraping Prometheus see it once before the endpoint
+        goes. Runs outside the global lock: another model's attach() must not wait."""
+        endpoint = self._endpoint
         self._set_run_state("finished")
+        # scrapes started before the change may render the old state: wait for one more answer
+        scrapes = endpoint.scrapes_started if endpoint is not None else 0
         timeout = self.config.final_scrape_timeout
-        if self._endpoint is None or self._endpoint.port is None or not scrapes or timeout <= 0:
+        if endpoint is None or endpoint.port is None or not scrapes or timeout <= 0:
             return
-        if not self._endpoint.wait_for_scrape(scrapes, timeout):
+        if not endpoint.wait_for_scrape(scrapes, timeout):
             log.info("gradmon[%s]: no scrape within final_scrape_timeout=%ss after the run "
                      "finished; Prometheus may not have seen the final state", self.name, timeout)
 
@@ -167,7 +223,9 @@ class Monitor:
 
     # -- wiring ------------------------------------------------------------------------
 
-    def _start(self, model: nn.Module, inner: nn.Module) -> None:
+    def _start(self, model: nn.Module, inner: nn.Module, port: int) -> None:
+        """Everything that can be refused is checked before anything is started; on any
+        failure the caller tears down what was started (see ``attach``)."""
         cfg = self.config
         layers = discover(inner, cfg)
         if not layers:
@@ -191,23 +249,26 @@ class Monitor:
             local_view or recorder.sharded)
         aggregator = Aggregator(grouping.names, recorder.param_layer, families, self.name, local_view,
                                 grouping.of_layer, self.rank.rank, self._on_incident, amp=cfg.scaler is not None)
+        carried = _CARRIED.get(self._carry_key())
+        if carried is not None:
+            counters, errors, overhead = carried
+            aggregator.resume(counters)
+            self._errors.resume(errors)
+            self._overhead_before = overhead
+        self._join_endpoint(port)  # ValueError (TLS files, settings) before any hook exists
         self._recorder = recorder
         self._publisher = Publisher(aggregator, self._errors, self._set_snapshot, self.name)
-        try:
-            self._hooks.install(recorder, model, layers, cfg)
-        except BaseException:
-            self._publisher.close()
-            raise
-        self._state = "running"
-        self._join_endpoint()
+        self._hooks.install(recorder, model, layers, cfg)
+        self._state = self._state if self._state == "server_failed" else "running"
+        _CARRIED.pop(self._carry_key(), None)  # now in this monitor's counters
+        if self._endpoint is not None:
+            self._endpoint.collector.add(id(self), self._export_view, self._errors.record,
+                                         lambda: (self._snapshot.generation, self._run_state, self._errors.total()))
 
-    def _join_endpoint(self) -> None:
+    def _join_endpoint(self, port: int) -> None:
         cfg = self.config
-        port = cfg.port
-        if port and cfg.port_offset_by_local_rank:
-            port += self.rank.local_rank
         try:
-            self._endpoint = exporter.acquire(cfg, port)
+            self._endpoint = exporter.acquire(cfg, port, id(self))
         except OSError as exc:
             # A taken port must not kill a training job: keep measuring, say so loudly.
             self._state = "server_failed"
@@ -215,9 +276,6 @@ class Monitor:
             self._errors.record("server", exc)
             log.error("gradmon[%s]: %s; training continues without an endpoint "
                       "(set GRADMON_PORT or port=0)", self.name, self.error)
-            return
-        self._endpoint.collector.add(id(self), self._export_view, self._errors.record,
-                                     lambda: (self._snapshot.generation, self._run_state, self._errors.total()))
 
     def _on_incident(self, incident: NonFiniteIncident, starts: bool) -> None:
         """Publisher thread: one log line per run of non-finite steps, and the user's callback."""
@@ -242,11 +300,39 @@ class Monitor:
         rec = self._recorder
         return exporter.ExportView(
             labels=self._labels, snapshot=self._snapshot, errors=self._errors.counts(),
-            overhead_seconds=rec.overhead if rec is not None else 0.0,
+            overhead_seconds=self._overhead_before + (rec.overhead if rec is not None else 0.0),
             run_state=self._run_state,
             info={"version": _version(), "torch_version": torch.__version__,
                   "world_size": str(self.rank.world_size)},
             reduced_per_layer=self._reduced_per_layer)
+
+
+def _serving_port(cfg: Config, rank: RankInfo) -> int:
+    """The port to serve on: ``port`` plus the local rank under torchrun (0 stays 0)."""
+    if cfg.registry is not None or not cfg.port or not cfg.port_offset_by_local_rank:
+        return cfg.port
+    port = cfg.port + rank.local_rank
+    if port > 65535:
+        raise ValueError(f"gradmon: option 'port' {cfg.port} plus LOCAL_RANK {rank.local_rank} is {port}, "
+                         "past 65535; choose a lower port, or port=0")
+    return port
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a Hogwild trainer) inherits the monitors but not
+    their threads: make every inherited monitor inert, so a child that trains never grows
+    a queue nobody reads, and start the child with no monitor registered (it may attach
+    its own, on its own port). The endpoint's sockets are closed by the server module."""
+    global _LOCK
+    _LOCK = threading.RLock()  # another thread may have held it at fork time
+    for mon in list(_LIVE):
+        if mon._recorder is not None:
+            mon._recorder.active = False
+    _ATTACHED.clear()
+    _NAMES_IN_USE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def attach(model: nn.Module, **options: Any) -> Monitor:
@@ -267,6 +353,8 @@ def attach(model: nn.Module, **options: Any) -> Monitor:
     if not has_trainable_parameters(inner):
         raise ValueError(f"gradmon.attach(): {type(inner).__name__} has no trainable parameters "
                          "(all requires_grad=False); there are no gradients to monitor")
+    rank = detect()
+    port = _serving_port(cfg, rank)
     with _LOCK:
         existing = _ATTACHED.get(inner)
         if existing is not None and existing.state != "detached":
@@ -277,14 +365,17 @@ def attach(model: nn.Module, **options: Any) -> Monitor:
                 f"gradmon.attach(): this model is already monitored as {existing.name!r} with "
                 "different options; call detach() on that handle before attaching again")
         name = _unique_name(cfg.name or type(inner).__name__.lower())
-        mon = Monitor(cfg, name, detect())
-        _NAMES_IN_USE[name] = 1
+        mon = Monitor(cfg, name, rank)
+        _NAMES_IN_USE[name] = mon
         try:
-            mon._start(model, inner)
+            mon._start(model, inner, port)
         except BaseException:
-            _NAMES_IN_USE.pop(name, None)
+            # nothing of a failed attach may remain: hooks, threads, sockets, the name
+            mon._state = "detached"
+            mon._teardown(final_scrape=False)
             raise
         _ATTACHED[inner] = mon
+        _LIVE.add(mon)
     log.info("gradmon: monitoring %d layers of %s (rank %d)%s", len(mon.layers), name,
              mon.rank.rank, f", metrics at {mon.url}" if mon.url else "")
     return mon

@@ -151,6 +151,40 @@ class Aggregator:
         self._gaps_logged = False
         self.generation = 0
 
+    # -- counters that outlive a monitor ------------------------------------------
+
+    def counters(self) -> Dict[str, object]:
+        """Every counter, keyed by layer name rather than index, for :meth:`resume`."""
+        names = self.layer_names
+        return {
+            "steps_total": self.steps_total, "nonfinite_steps": self.nonfinite_steps,
+            "amp_skipped_steps": self.amp_skipped_steps,
+            "histogram": (tuple(self.bucket_counts), self.hist_sum, self.hist_count),
+            "nonfinite": {(tensor, names[i], k): cell[k] for tensor, cells in self.nonfinite.items()
+                          for i, cell in enumerate(cells) for k in range(2) if cell[k]},
+            "local_nonfinite": {(names[i], k): cell[k] for i, cell in enumerate(self.local_nonfinite)
+                                for k in range(2) if cell[k]},
+        }
+
+    def resume(self, saved: Mapping[str, object]) -> None:
+        """Continue the counters of an earlier monitor with the same model name and
+        labels: a counter that went back to 0 and climbed past its old value between two
+        scrapes would hide increments from rate() and increase()."""
+        self.steps_total += saved["steps_total"]  # type: ignore[operator]
+        self.nonfinite_steps += saved["nonfinite_steps"]  # type: ignore[operator]
+        self.amp_skipped_steps += saved["amp_skipped_steps"]  # type: ignore[operator]
+        buckets, hist_sum, hist_count = saved["histogram"]  # type: ignore[misc]
+        self.bucket_counts = [a + b for a, b in zip(self.bucket_counts, buckets)]
+        self.hist_sum += hist_sum
+        self.hist_count += hist_count
+        index = {name: i for i, name in enumerate(self.layer_names)}
+        for (tensor, name, k), count in saved["nonfinite"].items():  # type: ignore[union-attr]
+            if tensor in self.nonfinite and name in index:
+                self.nonfinite[tensor][index[name]][k] += count
+        for (name, k), count in saved["local_nonfinite"].items():  # type: ignore[union-attr]
+            if name in index:
+                self.local_nonfinite[index[name]][k] += count
+
     # -- folding -------------------------------------------------------------------
 
     def fold(self, packet: StepPacket) -> None:
@@ -391,9 +425,17 @@ class Publisher:
         return token.done.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop after the queued items. From the publisher thread itself (a detach() in
+        an on_nonfinite callback) it cannot wait for itself: the thread stops after the
+        item it is folding."""
         if self._thread.is_alive():
             self._queue.put(_STOP)
-            self._thread.join(timeout)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
+
+    def counters(self) -> Dict[str, object]:
+        """The aggregator's counters; call after close() (or from the publisher thread)."""
+        return self._agg.counters()
 
     def _run(self) -> None:
         while True:

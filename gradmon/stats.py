@@ -26,6 +26,12 @@ def _ship_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def _norm_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+    """Reduce in float32 at least (a large fp16/bf16 norm must not overflow to Inf), and
+    in the tensor's own dtype when it is wider: vector_norm refuses to narrow float64."""
+    return torch.float32 if t.dtype in _LOW_PRECISION or t.dtype == torch.float32 else None
+
+
 def _counts(t: torch.Tensor) -> torch.Tensor:
     return torch.stack((torch.isnan(t).sum(), torch.isinf(t).sum()))
 
@@ -53,23 +59,23 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
 
 
 def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(float32 [L2 norm, min, max], int64 [nan, inf]) of one layer output.
+    """(float32 or float64 [L2 norm, min, max], int64 [nan, inf]) of one layer output.
 
     Three kernels per call, because hooks run once per layer per forward: the squaring
     and max(|min|, |max|) happen on the host. min/max come from aminmax, ~12x faster on
     CPU than the inf-norm kernel."""
     x = x.detach()
-    norm = torch.linalg.vector_norm(x, 2, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(x, 2, dtype=_norm_dtype(x))
     lo, hi = torch.aminmax(x)
     counts = _ZERO_COUNTS if _host_says_finite(norm) else _counts(x)
-    return torch.stack((norm, lo.float(), hi.float())), counts
+    return torch.stack((norm, lo.to(norm.dtype), hi.to(norm.dtype))), counts
 
 
 def gradient_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(float32 [L2 norm], int64 [nan, inf]) of one gradient: w.r.t. a layer's output
     (gradient flow), or one parameter's own gradient before DDP's all-reduce."""
     g = _dense(g)
-    norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(g, 2, dtype=_norm_dtype(g))
     counts = _ZERO_COUNTS if _host_says_finite(norm) else _counts(g)
     return norm.reshape(1), counts
 

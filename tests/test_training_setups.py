@@ -42,7 +42,7 @@ def test_activation_checkpointing_measures_each_forward_once(attach, reentrant):
     mon = attach(model, detail_every=1)
     x = torch.randn(4, 6, requires_grad=True)  # reentrant checkpointing needs an input that requires grad
     model(x).sum().backward()
-    calls = [layer for layer, _ in mon._recorder._act_meta]
+    calls = [layer for layer, _ in mon._recorder._act.meta]
     opt.step()
     mon.flush()
     s = scrape(mon.url)
