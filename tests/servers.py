@@ -39,6 +39,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int) -> int:
+    """The first of ``n`` consecutive free ports, below the kernel's ephemeral range: ranks
+    serve on base + local rank, and gloo's own connections take ephemeral ports, so a base
+    picked by ``free_port()`` could find base + 1 taken by the time a rank binds it."""
+    import random
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        base = random.randrange(max(1024, low - 12000), low - n)
+        try:
+            held = []
+            for port in range(base, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
+
+
 def wait_http(url: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:

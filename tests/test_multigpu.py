@@ -15,7 +15,7 @@ import yaml
 
 import ddp_worker
 from conftest import scrape, value
-from servers import Prometheus, free_port, grafana_substitute
+from servers import Prometheus, free_port, free_port_range, grafana_substitute
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -26,15 +26,7 @@ class Job:
 
     def __init__(self, work: Path, plan: list, fail_rank: int = -1) -> None:
         self.work, self.plan = work, plan
-        self.base = free_port()
-        while True:  # base and base+1 both free
-            try:
-                import socket
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", self.base + 1))
-                break
-            except OSError:
-                self.base = free_port()
+        self.base = free_port_range(WORLD)
         self.ctx = mp.start_processes(ddp_worker.run, args=(WORLD, str(work), free_port(), self.base, plan, fail_rank),
                                       nprocs=WORLD, join=False, start_method="spawn")
 
@@ -162,7 +154,7 @@ def test_one_prometheus_scrapes_both_ranks_and_a_diverging_rank_fires_the_rule(t
 
 
 def fsdp_job(work: Path, steps: int, fail_rank: int = -1, world: int = WORLD, replicas: int = 1):
-    base = free_port()
+    base = free_port_range(world)
     ctx = mp.start_processes(ddp_worker.run_fsdp, args=(world, str(work), free_port(), base, steps, fail_rank, replicas),
                              nprocs=world, join=False, start_method="spawn")
     job = Job.__new__(Job)
