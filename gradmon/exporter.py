@@ -86,27 +86,22 @@ def add_view(fam: _Families, view: ExportView) -> None:
         fam.add(M.RUN_STATE, _with(base, state=state), 1 if state == view.run_state else 0)
     # per-model values; None means "not measured yet" (or no scaler): no sample at all
     for spec, value in ((M.STEPS, s.steps_total), (M.STEP, s.global_step),
-                        (M.LAST_STEP_TIMESTAMP, s.last_step_time), (M.GRAD_GLOBAL_NORM, s.global_norm),
+                        (M.LAST_STEP_TIMESTAMP, s.last_step_time),
                         (M.GROUPED_LAYERS, s.grouped_layers), (M.AMP_SKIPPED_STEPS, s.amp_skipped_steps),
-                        (M.AMP_LOSS_SCALE, s.amp_loss_scale), (M.LOCAL_GRAD_GLOBAL_NORM, s.local_global_norm),
+                        (M.AMP_LOSS_SCALE, s.amp_loss_scale),
                         (M.NONFINITE_STEPS, s.nonfinite_steps), (M.OVERHEAD_SECONDS, view.overhead_seconds)):
         if value is not None:
             fam.add(spec, base, value)
-    for spec, pairs in ((M.GRAD_NORM, s.grad_norm if view.reduced_per_layer else ()),
-                        (M.GRAD_FLOW_NORM, s.grad_flow_norm),
-                        (M.ACTIVATION_RMS, s.activation_rms), (M.ACTIVATION_ABS_MAX, s.activation_abs_max)):
-        for layer, value in pairs:
-            fam.add(spec, _with(base, layer=layer), value)
+    for spec, value in s.totals.items():
+        fam.add(spec, base, value)
+    for series in s.layer_gauges + s.layer_counters:
+        if series.reduced and not view.reduced_per_layer:
+            continue
+        labels = _with(base, **series.labels)
+        for layer, *kind, value in series.values:
+            fam.add(series.spec, _with(labels, layer=layer, **({"kind": kind[0]} if kind else {})), value)
     for tensor, layer, step in s.nonfinite_origin:
         fam.add(M.NONFINITE_ORIGIN, _with(base, tensor=tensor, layer=layer), step)
-    for layer, value in s.local_grad_norm:
-        fam.add(M.LOCAL_GRAD_NORM, _with(base, layer=layer), value)
-    for layer, kind, count in s.local_nonfinite:
-        fam.add(M.LOCAL_NONFINITE, _with(base, layer=layer, kind=kind), count)
-    for layer, tensor, kind, count in s.nonfinite:
-        if tensor == M.TENSOR_GRAD and not view.reduced_per_layer:
-            continue
-        fam.add(M.NONFINITE, _with(base, layer=layer, tensor=tensor, kind=kind), count)
     for bound, cumulative in s.histogram:
         fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, _with(base, le=_fmt_bound(bound)), cumulative, "_bucket")
     fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, base, s.histogram_count, "_count")

@@ -27,18 +27,6 @@ class Grouping:
         return len(self.of_layer) - len(self.names)
 
 
-def per_layer_series(families: Sequence[str], local_view: bool) -> int:
-    """Series one layer costs: gauges per family plus its non-finite counters (nan, inf)."""
-    n = 1 + 2  # grad norm + grad non-finite counters
-    if "grad_flow" in families:
-        n += 1 + 2
-    if "activation" in families:
-        n += 2 + 2
-    if local_view:
-        n += 1 + 2
-    return n
-
-
 def _prefix(name: str, depth: int) -> str:
     return ".".join(name.split(".")[:depth])
 

@@ -39,10 +39,12 @@ from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import amp, sharded, stats
+from . import statistics as S
 from .config import Config
 from .errors import ErrorLog
 from .layers import Layer, is_floating
 from .snapshot import GlobalStepUpdate, StepPacket
+from .statistics import Section, Statistic
 
 log = logging.getLogger("gradmon")
 
@@ -99,35 +101,39 @@ def _optimizer_step_value(opt: torch.optim.Optimizer) -> Optional[int]:
 
 
 class _Records:
-    """One kind of per-call record (activations, or gradient flow) of the current step.
+    """The records one statistic made in the current step.
 
     Records become part of the step only when what produced them completed: a forward
     that raised, or a backward that raised (KeyboardInterrupt, OOM), must not leak its
     partial statistics into the next step. ``commit()`` marks the records so far as
-    complete; ``drop_pending()`` forgets the rest."""
+    complete; ``drop_pending()`` forgets the rest. Keyed records (one per parameter)
+    replace that key's earlier record: the latest holds every micro-batch so far."""
 
-    __slots__ = ("f", "i", "meta", "committed")
+    __slots__ = ("keyed", "done", "pending")
 
-    def __init__(self) -> None:
-        self.f: List[torch.Tensor] = []
-        self.i: List[torch.Tensor] = []
-        self.meta: List[Any] = []
-        self.committed = 0
+    def __init__(self, keyed: bool) -> None:
+        self.keyed = keyed
+        self.done: Dict[Any, Tuple[int, int, Sequence[torch.Tensor]]] = {}  # insertion order
+        self.pending: List[Tuple[int, int, Sequence[torch.Tensor]]] = []
 
-    def add(self, f: torch.Tensor, i: torch.Tensor, meta: Any) -> None:
-        self.f.append(f)
-        self.i.append(i)
-        self.meta.append(meta)
+    def add(self, key: int, numel: int, parts: Sequence[torch.Tensor]) -> None:
+        self.pending.append((key, numel, parts))
 
     def commit(self) -> None:
-        self.committed = len(self.meta)
-
-    def pending(self) -> bool:
-        return len(self.meta) > self.committed
+        for record in self.pending:
+            self.done[record[0] if self.keyed else len(self.done)] = record
+        self.pending = []
 
     def drop_pending(self) -> None:
-        n = self.committed
-        del self.f[n:], self.i[n:], self.meta[n:]
+        self.pending = []
+
+    def keys(self) -> List[int]:
+        """Keys of the committed records, in the order the packet carries them."""
+        return [key for key, _, _ in self.committed()]
+
+    def committed(self) -> List[Tuple[int, int, Sequence[torch.Tensor]]]:
+        records = list(self.done.values())
+        return sorted(records, key=lambda r: r[0]) if self.keyed else records
 
 
 def _graph_task_id() -> int:
@@ -145,9 +151,12 @@ class Recorder:
     """
 
     def __init__(self, layers: Sequence[Layer], cfg: Config, errors: ErrorLog,
-                 publish: Callable[[object], None], local_view: bool = False) -> None:
+                 publish: Callable[[object], None], statistics: Sequence[Statistic] = (S.GRAD,)) -> None:
         self.cfg = cfg
-        self.local_view = local_view
+        self.statistics = tuple(statistics)
+        self._at: Dict[str, Tuple[Statistic, ...]] = {
+            at: tuple(st for st in self.statistics if st.at == at)
+            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD)}
         self.errors = errors
         self.publish = publish
         self._slots: List[Tuple[weakref.ref, str]] = []
@@ -171,20 +180,29 @@ class Recorder:
         self.steps = 0
         self.step_offset = 0
         self.detail_now = True
-        self._grad: Optional[Tuple[torch.Tensor, Tuple[int, ...]]] = None
+        # PARAM_GRAD statistics of this step: name -> (rows, parameter and numel of each row)
+        self._batched: Dict[str, Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]] = {}
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._accumulated = False  # autograd accumulated a monitored gradient in this backward
-        self._fresh_backward = False  # self._grad holds this step's gradients
+        self._fresh_backward = False  # self._batched holds this step's gradients
         self._measured_at_step = False
         self._said_measured_at_step = False
         self._last_step_by_optimizer = False
         self._reset_records()
 
     def _reset_records(self) -> None:
-        self._act = _Records()  # activations: complete once the root forward returned
-        self._flow = _Records()  # gradient flow: complete once its backward pass ended
-        self._local: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._local_pending: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # this pass's, until it ends
+        # OUTPUT records are complete once the root forward returned; the others once
+        # their backward pass ended
+        self._records: Dict[str, _Records] = {st.name: _Records(keyed=st.by_parameter)
+                                              for st in self.statistics if st.at != S.PARAM_GRAD}
+
+    def statistics_at(self, *moments: str) -> Tuple[Statistic, ...]:
+        return tuple(st for at in moments for st in self._at[at])
+
+    def _each_records(self, *moments: str) -> Iterator[_Records]:
+        for at in moments:
+            for st in self._at[at]:
+                yield self._records[st.name]
 
     def current_params(self) -> List[Optional[torch.Tensor]]:
         """The monitored parameters as the modules hold them now (None: gone)."""
@@ -199,7 +217,7 @@ class Recorder:
         """Drop every reference to the model so it can be garbage-collected after detach."""
         self.active = False
         self._remove_param_hooks()
-        self._grad = None
+        self._batched = {}
         self._reset_records()
 
     # -- parameter hooks -----------------------------------------------------------
@@ -238,8 +256,10 @@ class Recorder:
         try:
             self._accumulated = True
             self._enter_backward()
-            if self.local_view and p.grad is not None:
-                self._local_pending[param] = stats.gradient_record(sharded.local(p.grad))
+            if self._at[S.LOCAL_GRAD] and p.grad is not None:
+                g = sharded.local(p.grad)
+                for st in self._at[S.LOCAL_GRAD]:
+                    self._records[st.name].add(param, g.numel(), st.record(g))
         except Exception as exc:
             self.errors.record("backward", exc)
         finally:
@@ -250,8 +270,9 @@ class Recorder:
     @torch._dynamo.disable
     def on_root_forward_pre(self, module: nn.Module, inputs: Any) -> None:
         """A forward whose root never returned (it raised) left records: drop them."""
-        if self.active and self._act.pending():
-            self._act.drop_pending()
+        if self.active:
+            for records in self._each_records(S.OUTPUT):
+                records.drop_pending()
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
         if _compiling():
@@ -265,10 +286,9 @@ class Recorder:
             for t in iter_tensors(output):
                 if not is_floating(t) or t.numel() == 0:
                     continue
-                if self.cfg.activations:
-                    f, i = stats.activation_record(t)
-                    self._act.add(f, i, (layer, t.numel()))
-                if self.cfg.grad_flow and t.requires_grad:
+                for st in self._at[S.OUTPUT]:
+                    self._records[st.name].add(layer, t.numel(), st.record(t))
+                if self._at[S.OUTPUT_GRAD] and t.requires_grad:
                     t.register_hook(partial(self.on_grad_flow, layer))
         except Exception as exc:
             self.errors.record("forward", exc)
@@ -281,8 +301,8 @@ class Recorder:
         t0 = perf_counter()
         try:
             self._enter_backward()
-            f, i = stats.gradient_record(grad)
-            self._flow.add(f, i, layer)
+            for st in self._at[S.OUTPUT_GRAD]:
+                self._records[st.name].add(layer, grad.numel(), st.record(grad))
         except Exception as exc:
             self.errors.record("grad_flow", exc)
         finally:
@@ -296,7 +316,8 @@ class Recorder:
         forward, not inside it), so end-of-backward measurement works under compile."""
         if not self.active:
             return
-        self._act.commit()
+        for records in self._each_records(S.OUTPUT):
+            records.commit()
         if not torch.is_grad_enabled():
             return
         try:
@@ -320,8 +341,8 @@ class Recorder:
         task = _graph_task_id()
         if task == self._task:
             return
-        self._flow.drop_pending()
-        self._local_pending = {}
+        for records in self._each_records(S.OUTPUT_GRAD, S.LOCAL_GRAD):
+            records.drop_pending()
         self._task = task
         Variable._execution_engine.queue_callback(self._after_backward_queued)
 
@@ -338,10 +359,9 @@ class Recorder:
             return
         t0 = perf_counter()
         try:
-            self._act.commit()  # reentrant checkpointing re-runs forwards inside backward
-            self._flow.commit()
-            self._local.update(self._local_pending)
-            self._local_pending = {}
+            # OUTPUT too: reentrant checkpointing re-runs forwards inside backward
+            for records in self._records.values():
+                records.commit()
             # Without an accumulated gradient (torch.autograd.grad, .grad assigned by
             # hand later) there is nothing to measure yet: the optimizer step will.
             # FSDP2 assigns sharded gradients itself, after its own callbacks. Parameters
@@ -368,11 +388,10 @@ class Recorder:
             if g is not None:
                 present.append(i)
                 grads.append(sharded.local(g))  # a shard's own elements; summed at the step
-        if not grads:
-            self._grad = None
-            return
-        block, order = stats.param_grad_stats(grads, grads[0].device)
-        self._grad = (block, tuple(present[j] for j in order))
+        self._batched = {}
+        for st in self._at[S.PARAM_GRAD] if grads else ():
+            rows, order = st.record(grads, grads[0].device)
+            self._batched[st.name] = (rows, tuple(present[j] for j in order), tuple(grads[j].numel() for j in order))
 
     # -- step boundary -------------------------------------------------------------
 
@@ -479,8 +498,8 @@ class Recorder:
             if self._measured_at_step:
                 self._say_measured_at_step()
             # what a forward or backward that did not complete recorded is not this step's
-            self._act.drop_pending()
-            self._flow.drop_pending()
+            for records in self._records.values():
+                records.drop_pending()
             packet = self._build_packet(packet)
         except Exception as exc:
             self.errors.record("step", exc)
@@ -499,7 +518,7 @@ class Recorder:
         self.overhead += perf_counter() - t0
 
     def _close_step(self) -> None:
-        self._grad = None
+        self._batched = {}
         self._scale = None
         self._measure_failed = False
         self._fresh_backward = False
@@ -517,47 +536,45 @@ class Recorder:
 
     def _reduce_shards(self) -> None:
         """The step's collective: every rank calls it at every step, whatever failed before."""
-        block, order = self._grad if self._grad is not None else (None, ())
-        try:
-            block, _ok = sharded.all_reduce_columns(block, order, self._shard_groups, self._measure_failed)
-            self._grad = (block, order) if block is not None else None
-        except Exception as exc:
-            self._grad = None
-            self.errors.record("step", exc)
+        for st in self._at[S.PARAM_GRAD]:
+            rows, order, numels = self._batched.pop(st.name, (None, (), ()))
+            try:
+                rows, _ok = sharded.all_reduce_rows(rows, order, self._shard_groups, self._measure_failed,
+                                                    [c.fold for c in st.columns])
+                if rows is not None:
+                    self._batched[st.name] = (rows, order, numels)
+            except Exception as exc:
+                self.errors.record("step", exc)
 
     def _build_packet(self, packet: StepPacket) -> StepPacket:
+        """Every statistic's committed records, section by section in table order, each
+        part an (n, width) block: the layout ``statistics.read`` reads."""
         parts: List[torch.Tensor] = []
+        sections: List[Section] = []
         home: Optional[torch.device] = None
-        grad_params: Tuple[int, ...] = ()
-        inv_sq: Optional[torch.Tensor] = None
-        inv: Optional[torch.Tensor] = None
-        if self._scale is not None:
-            # unscale on the device: gradients (and gradients w.r.t. outputs) carry the
-            # loss scale, their sums of squares its square; NaN/Inf counts are unchanged
-            inv = self._scale.double().reciprocal()
-            inv_sq = inv.square()
-        if self._grad is not None:
-            block, grad_params = self._grad
-            if inv_sq is not None:
-                block = torch.cat((block[:1] * inv_sq.to(block.device), block[1:]))
-            parts.append(block)
-            home = block.device
-        act, flow = self._act, self._flow
-        if act.f:
-            home = home or act.f[0].device
-            parts += [stats.stack_records(act.f, home), stats.stack_records(act.i, home)]
-        if flow.f:
-            home = home or flow.f[0].device
-            flow_norms = stats.stack_records(flow.f, home)
-            if inv is not None:
-                flow_norms = flow_norms.double() * inv.to(home)
-            parts += [flow_norms, stats.stack_records(flow.i, home)]
-        local_params = tuple(sorted(self._local))
-        if local_params:
-            records = [self._local[i] for i in local_params]
-            home = home or records[0][0].device
-            parts += [stats.stack_records([f for f, _ in records], home),
-                      stats.stack_records([c for _, c in records], home)]
+        # A GradScaler's loss scale is divided out on the device, column by column.
+        inv = self._scale.double().reciprocal().reshape(()) if self._scale is not None else None
+        for st in self.statistics:
+            if st.at == S.PARAM_GRAD:
+                if st.name not in self._batched:
+                    continue
+                rows, keys, numels = self._batched[st.name]
+                blocks = [rows]
+            else:
+                committed = self._records[st.name].committed()
+                if not committed:
+                    continue
+                keys = tuple(key for key, _, _ in committed)
+                numels = tuple(numel for _, numel, _ in committed)
+                home = home or committed[0][2][0].device
+                blocks = [stats.stack_records([rec[2][j] for rec in committed], home) for j in range(len(st.parts))]
+            home = home or blocks[0].device
+            for part, block in zip(st.parts, blocks):
+                powers = [c.scale_power for c in part]
+                if inv is not None and any(powers):
+                    block = block.double() * torch.stack([inv.to(block.device) ** p for p in powers])
+                parts.append(block)
+            sections.append(Section(st, keys, numels))
         if self._scale is not None:
             home = home or self._scale.device
             parts.append(self._scale)
@@ -565,8 +582,7 @@ class Recorder:
             return packet
         data, event = stats.to_host(stats.pack(parts, home))
         return dataclasses.replace(
-            packet, data=data, event=event, grad_params=grad_params,
-            act_meta=tuple(act.meta), flow_meta=tuple(flow.meta), local_params=local_params,
+            packet, data=data, event=event, sections=tuple(sections),
             amp_scale=self._scale is not None,
             sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
 
@@ -579,7 +595,7 @@ class HookSet:
 
     def install(self, recorder: Recorder, root: nn.Module, layers: Sequence[Layer], cfg: Config) -> None:
         try:
-            if cfg.activations or cfg.grad_flow:
+            if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD):
                 for layer in layers:
                     self._handles.append(layer.module.register_forward_hook(
                         partial(recorder.on_forward, layer.index)))

@@ -18,13 +18,13 @@ from torch import nn
 
 from . import config as _config
 from . import exporter
-from . import metrics as M
 from .config import Config
 from .errors import ErrorLog
 from .hooks import HookSet, Recorder
 from .identity import RankInfo, detect
 from .layers import discover, has_trainable_parameters, is_ddp, unwrap
-from .grouping import group_layers, per_layer_series
+from . import statistics as S
+from .grouping import group_layers
 from .snapshot import Aggregator, NonFiniteIncident, Publisher, Snapshot
 
 log = logging.getLogger("gradmon")
@@ -68,7 +68,7 @@ class Monitor:
         self._publisher: Optional[Publisher] = None
         self._endpoint: Optional[exporter.Endpoint] = None
         self._errors = ErrorLog(name or "disabled")
-        self._snapshot = Snapshot()
+        self._final_snapshot = Snapshot()  # what the publisher held last, once it is stopped
         self._labels: Dict[str, str] = {}
         self._reduced_per_layer = True
         self._pid = os.getpid()
@@ -125,12 +125,13 @@ class Monitor:
 
     def snapshot(self) -> Snapshot:
         """The latest published snapshot (what the endpoint serves)."""
-        return self._snapshot
+        publisher = self._publisher
+        return publisher.latest if publisher is not None else self._final_snapshot
 
     def coverage(self) -> Dict[str, FrozenSet[str]]:
         """Families observed so far for each layer; a missing family is a stated gap
         (e.g. ``nn.MultiheadAttention.out_proj``, whose forward never runs)."""
-        return dict(self._snapshot.coverage)
+        return dict(self.snapshot().coverage)
 
     def detach(self) -> None:
         """Remove every hook, stop the publisher and (last user) the HTTP server.
@@ -177,6 +178,7 @@ class Monitor:
         if self._publisher is not None:
             publisher = self._publisher
             publisher.close()
+            self._final_snapshot = publisher.latest
             _CARRIED[self._carry_key()] = (publisher.counters(), self._errors.counts(), self._overhead_at_detach)
             self._publisher = None
 
@@ -235,11 +237,10 @@ class Monitor:
         self._layer_names = tuple(layer.name for layer in layers)
         self._model_ref = weakref.ref(model)
         self._labels = {"model": self.name, "rank": str(self.rank.rank), **cfg.labels}
-        families = [M.FAMILY_GRAD] + ([M.FAMILY_GRAD_FLOW] if cfg.grad_flow else []) + (
-            [M.FAMILY_ACTIVATION] if cfg.activations else [])
         local_view = cfg.local_view if cfg.local_view is not None else is_ddp(model)
-        recorder = Recorder(layers, cfg, self._errors, self._publish, local_view)
-        grouping = group_layers(self._layer_names, per_layer_series(families, local_view), cfg.series_budget)
+        statistics = S.enabled(cfg, local_view=local_view)
+        recorder = Recorder(layers, cfg, self._errors, self._publish, statistics)
+        grouping = group_layers(self._layer_names, S.series_per_layer(statistics), cfg.series_budget)
         if grouping.grouped_layers:
             log.warning("gradmon[%s]: %d layers exceed series_budget=%d; exporting %d module-name-prefix "
                         "groups instead (gradmon_grouped_layers)", self.name, len(layers), cfg.series_budget,
@@ -247,8 +248,8 @@ class Monitor:
         # Every rank holds the same reduced gradient under DDP/FSDP: rank 0 carries its per-layer series.
         self._reduced_per_layer = self.rank.rank == 0 or self.rank.world_size == 1 or not (
             local_view or recorder.sharded)
-        aggregator = Aggregator(grouping.names, recorder.param_layer, families, self.name, local_view,
-                                grouping.of_layer, self.rank.rank, self._on_incident, amp=cfg.scaler is not None)
+        aggregator = Aggregator(grouping.names, recorder.param_layer, statistics, self.name, grouping.of_layer,
+                                self.rank.rank, self._on_incident, amp=cfg.scaler is not None)
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried
@@ -257,13 +258,13 @@ class Monitor:
             self._overhead_before = overhead
         self._join_endpoint(port)  # ValueError (TLS files, settings) before any hook exists
         self._recorder = recorder
-        self._publisher = Publisher(aggregator, self._errors, self._set_snapshot, self.name)
+        self._publisher = Publisher(aggregator, self._errors, self.name)
         self._hooks.install(recorder, model, layers, cfg)
         self._state = self._state if self._state == "server_failed" else "running"
         _CARRIED.pop(self._carry_key(), None)  # now in this monitor's counters
         if self._endpoint is not None:
             self._endpoint.collector.add(id(self), self._export_view, self._errors.record,
-                                         lambda: (self._snapshot.generation, self._run_state, self._errors.total()))
+                                         lambda: (self.snapshot().generation, self._run_state, self._errors.total()))
 
     def _join_endpoint(self, port: int) -> None:
         cfg = self.config
@@ -293,13 +294,10 @@ class Monitor:
         if self._publisher is not None:
             self._publisher.put(item)
 
-    def _set_snapshot(self, snap: Snapshot) -> None:
-        self._snapshot = snap
-
     def _export_view(self) -> exporter.ExportView:
         rec = self._recorder
         return exporter.ExportView(
-            labels=self._labels, snapshot=self._snapshot, errors=self._errors.counts(),
+            labels=self._labels, snapshot=self.snapshot(), errors=self._errors.counts(),
             overhead_seconds=self._overhead_before + (rec.overhead if rec is not None else 0.0),
             run_state=self._run_state,
             info={"version": _version(), "torch_version": torch.__version__,

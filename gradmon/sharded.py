@@ -5,7 +5,7 @@ the local shard (``to_local()``, no communication: a collective inside an autogr
 callback could hang a rank). At the step boundary, on the training thread and on every
 rank, one small all-reduce (SUM) per group of parameters sharing a device mesh and
 sharded mesh dimensions turns the local sums of squares and NaN/Inf counts into the
-full gradient's. Only mesh dimensions whose placement is ``Shard`` are summed: HSDP's
+full gradient's (squares of norms added, then rooted). Only mesh dimensions whose placement is ``Shard`` are summed: HSDP's
 replicate dimension and tensor-parallel ``Replicate`` placements hold copies, and
 summing them would count the gradient twice. Uneven shards need nothing special: a
 sum of squares is a sum over whatever elements each rank holds.
@@ -16,6 +16,7 @@ collectives with zeros and an error flag, so no rank ever waits for another.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -67,39 +68,53 @@ def plan(params: Sequence[torch.Tensor]) -> List[ShardGroup]:
     return list(groups.values())
 
 
-def all_reduce_columns(block: Optional[torch.Tensor], order: Sequence[int], groups: Sequence[ShardGroup],
-                       failed: bool) -> Tuple[Optional[torch.Tensor], bool]:
-    """Sum the sharded parameters' columns of ``block`` (3 x n, column j = parameter
-    ``order[j]``) over their shard groups. Returns the block and whether every rank's
-    contribution was valid. Called on every rank at every step, whatever happened before."""
+def all_reduce_rows(rows: Optional[torch.Tensor], order: Sequence[int], groups: Sequence[ShardGroup],
+                    failed: bool, folds: Sequence[str]) -> Tuple[Optional[torch.Tensor], bool]:
+    """Combine the sharded parameters' rows of ``rows`` (n x width, row j = parameter
+    ``order[j]``) over their shard groups, column by column as ``folds`` says ("sum":
+    added; "norm": root of the summed squares; "absmax": the largest). Returns the rows
+    and whether every rank's contribution was valid. Called on every rank at every step,
+    whatever happened before."""
     import torch.distributed as dist
 
-    column = {param: j for j, param in enumerate(order)} if block is not None and not failed else {}
+    width = len(folds)
+    norm = torch.tensor([f == "norm" for f in folds])
+    absmax = [j for j, f in enumerate(folds) if f == "absmax"]
+    row = {param: j for j, param in enumerate(order)} if rows is not None and not failed else {}
     ok = True  # False when any rank (this one included) had no valid numbers
     for group in groups:
         device = group.device
-        vec = torch.zeros(3 * len(group.params) + 1, dtype=torch.float64, device=device)
+        n = len(group.params)
+        vec = torch.zeros(width * n + 1, dtype=torch.float64, device=device)
         if failed:
             vec[-1] = 1.0  # "my numbers are missing": every rank discards this step's values
-        elif block is not None:
+        elif rows is not None:
             for k, param in enumerate(group.params):
-                j = column.get(param)
+                j = row.get(param)
                 if j is not None:
-                    vec[3 * k:3 * k + 3] = block[:, j].to(device=device, dtype=torch.float64)
+                    vec[width * k:width * (k + 1)] = rows[j].to(device=device, dtype=torch.float64)
+        body = vec[:-1].view(n, width)
+        squares = norm.to(device).expand(n, width)
+        body.copy_(torch.where(squares, body.square(), body))
+        peaks = body[:, absmax].clone() if absmax else None
         for dim in group.dims:
             dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group.mesh.get_group(dim))
+            if peaks is not None:
+                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group.mesh.get_group(dim))
         if failed:
             ok = False
             continue
-        if block is None:
+        if rows is None:
             continue
-        # Another rank's missing numbers poison the sum: drop this step's values (norm
-        # NaN, counts 0) without reading the flag on the host, which would sync on CUDA.
+        body.copy_(torch.where(squares, body.sqrt(), body))
+        if peaks is not None:
+            body[:, absmax] = peaks
+        # Another rank's missing numbers poison the sum: drop this step's values (NaN,
+        # counts 0) without reading the flag on the host, which would sync on CUDA.
         valid = vec[-1] == 0
+        dropped = torch.tensor([math.nan if f != "sum" else 0.0 for f in folds], dtype=vec.dtype, device=device)
         for k, param in enumerate(group.params):
-            j = column.get(param)
+            j = row.get(param)
             if j is not None:
-                sums = vec[3 * k:3 * k + 3]
-                dropped = torch.tensor([float("nan"), 0.0, 0.0], dtype=vec.dtype, device=device)
-                block[:, j] = torch.where(valid, sums, dropped).to(device=block.device, dtype=block.dtype)
-    return block, ok
+                rows[j] = torch.where(valid, body[k], dropped).to(device=rows.device, dtype=rows.dtype)
+    return rows, ok

@@ -18,31 +18,25 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from . import metrics as M
+from . import statistics as S
 from .errors import ErrorLog
+from .statistics import Section, Statistic
 
 log = logging.getLogger("gradmon")
 
 
 @dataclass(frozen=True)
 class StepPacket:
-    """What one optimizer step measured, still in the packed device layout.
-
-    ``data`` holds, in order: 3*P values (sums of squares, then NaN and Inf counts, per
-    parameter gradient listed in ``grad_params``), 3*R activation floats (L2 norm, min,
-    max) and 2*R activation counts (one record per entry of ``act_meta``), Q grad-flow
-    norms and 2*Q counts (one per entry of ``flow_meta``), L local norms and 2*L local
-    counts (one per entry of ``local_params``), and the loss scale if ``amp_scale``.
-    """
+    """What one optimizer step measured, still in the packed device layout: the
+    records of each statistic in ``sections`` (laid out as ``statistics.read`` reads
+    them), then the loss scale if ``amp_scale``."""
 
     index: int
     global_step: int
     time: float
     data: object = None  # a host tensor, valid once ``event`` has completed
     event: object = None
-    grad_params: Tuple[int, ...] = ()
-    act_meta: Tuple[Tuple[int, int], ...] = ()  # (layer index, numel) per forward call
-    flow_meta: Tuple[int, ...] = ()  # layer index per grad-flow hook call
-    local_params: Tuple[int, ...] = ()  # parameters with a local (pre-all-reduce) record
+    sections: Tuple[Section, ...] = ()
     amp_scale: bool = False  # the last value is the GradScaler's loss scale
     skipped: bool = False  # an overflow step the GradScaler skipped: data holds only the scale
     sampled: bool = True
@@ -75,40 +69,79 @@ class Snapshot:
     steps_total: int = 0
     global_step: Optional[int] = None
     last_step_time: Optional[float] = None
-    global_norm: Optional[float] = None
-    grad_norm: Tuple[Tuple[str, float], ...] = ()
-    grad_flow_norm: Tuple[Tuple[str, float], ...] = ()
-    activation_rms: Tuple[Tuple[str, float], ...] = ()
-    activation_abs_max: Tuple[Tuple[str, float], ...] = ()
-    nonfinite: Tuple[Tuple[str, str, str, int], ...] = ()  # layer, tensor, kind, count
+    totals: Mapping[M.MetricSpec, float] = field(default_factory=dict)
+    """Model-level gauges of the statistics (e.g. the global norm)."""
+    layer_gauges: Tuple["LayerSeries", ...] = ()
+    layer_counters: Tuple["LayerSeries", ...] = ()
     nonfinite_steps: int = 0
     histogram: Tuple[Tuple[float, int], ...] = ()  # (upper bound, cumulative count), +Inf last
     histogram_sum: float = 0.0
     histogram_count: int = 0
     uncovered: Tuple[Tuple[str, int], ...] = ()  # family, layers it cannot observe
-    local_view: bool = False
-    local_global_norm: Optional[float] = None
-    local_grad_norm: Tuple[Tuple[str, float], ...] = ()
-    local_nonfinite: Tuple[Tuple[str, str, int], ...] = ()  # layer, kind, count
     nonfinite_origin: Tuple[Tuple[str, str, int], ...] = ()  # tensor, layer, global step
     grouped_layers: int = 0
     amp_skipped_steps: Optional[int] = None  # None: no scaler given
     amp_loss_scale: Optional[float] = None
     coverage: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
 
+    @property
+    def global_norm(self) -> Optional[float]:
+        return self.totals.get(M.GRAD_GLOBAL_NORM)
 
-def _merge_max(a: float, b: float) -> float:
-    # max() drops NaN depending on argument order; a NaN activation must stay visible.
-    if math.isnan(a) or math.isnan(b):
-        return math.nan
-    return a if a >= b else b
+
+@dataclass(frozen=True)
+class LayerSeries:
+    """One per-layer family of one statistic, ready to export: ``values`` holds
+    (layer, value) for gauges and (layer, kind, count) for counters."""
+
+    spec: M.MetricSpec
+    labels: Mapping[str, str]
+    reduced: bool  # exported by rank 0 alone when every rank holds the same reduced values
+    values: Tuple[Tuple, ...]
+
+
+class _Folded:
+    """One statistic's cumulative state in the aggregator."""
+
+    def __init__(self, stat: Statistic, n: int) -> None:
+        self.stat = stat
+        self.gauges: Dict[str, List[Optional[float]]] = {g.spec.name: [None] * n for g in stat.gauges}
+        self.cells: Optional[List[List[int]]] = [[0, 0] for _ in range(n)] if stat.counter is not None else None
+        self.total: Optional[float] = None
+        columns = stat.columns
+        self.nan = stat.index("nan") if stat.counter is not None else -1
+        self.inf = stat.index("inf") if stat.counter is not None else -1
+        self.norms = [j for j, c in enumerate(columns) if c.fold == S.NORM]
+        self.sums = [j for j, c in enumerate(columns) if c.fold == S.SUM]
+        self.peaks = [j for j, c in enumerate(columns) if c.fold == S.ABSMAX]
+        self.names = [c.name for c in columns]
+
+    def combine(self, acc: Optional[List[float]], row: Sequence[float], numel: int) -> List[float]:
+        """Fold one record into a layer's accumulator (NORM columns as squares, numel last)."""
+        if acc is None:
+            acc = [0.0] * (len(row) + 1)
+        for j in self.norms:
+            acc[j] += row[j] * row[j]
+        for j in self.sums:
+            acc[j] += row[j]
+        for j in self.peaks:
+            acc[j] = S.merge_max(acc[j], abs(row[j]))
+        acc[-1] += numel
+        return acc
+
+    def columns(self, acc: List[float]) -> Dict[str, float]:
+        values = dict(zip(self.names, acc))
+        for j in self.norms:
+            values[self.names[j]] = math.sqrt(acc[j])
+        values["numel"] = acc[-1]
+        return values
 
 
 class Aggregator:
     """Cumulative state of one monitor. Used only by the publisher thread."""
 
     def __init__(self, layer_names: Sequence[str], param_layer: Sequence[int],
-                 families: Sequence[str], model: str, local_view: bool = False,
+                 statistics: Sequence[Statistic], model: str,
                  layer_group: Optional[Sequence[int]] = None, rank: int = 0,
                  on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
@@ -122,31 +155,22 @@ class Aggregator:
         self.on_incident = on_incident
         self.origin: Dict[str, Tuple[int, int]] = {}  # tensor -> (layer, global step)
         self._in_incident = False
-        self.families = tuple(families)  # enabled families
+        self.statistics = tuple(statistics)
+        self.families = tuple(st.coverage for st in self.statistics if st.coverage)  # enabled families
         self._model = model
         n = len(self.layer_names)
-        tensors = [M.TENSOR_GRAD] + [f for f in (M.TENSOR_GRAD_FLOW, M.TENSOR_ACTIVATION) if f in families]
-        self.nonfinite: Dict[str, List[List[int]]] = {t: [[0, 0] for _ in range(n)] for t in tensors}
+        self.folded: Dict[str, _Folded] = {st.name: _Folded(st, n) for st in self.statistics}
         self.steps_total = 0
         self.global_step: Optional[int] = None
         self.last_step_time: Optional[float] = None
-        self.global_norm: Optional[float] = None
         self.nonfinite_steps = 0
-        self.grad_norm: List[Optional[float]] = [None] * n
-        self.grad_flow_norm: List[Optional[float]] = [None] * n
-        self.activation_rms: List[Optional[float]] = [None] * n
-        self.activation_abs_max: List[Optional[float]] = [None] * n
         self.bounds = M.GLOBAL_NORM_BUCKETS
         self.bucket_counts = [0] * (len(self.bounds) + 1)  # last one is +Inf
         self.hist_sum = 0.0
         self.hist_count = 0
         self.seen: Dict[str, set] = {f: set() for f in M.FAMILIES}
-        self.local_view = local_view
         self.amp_skipped_steps = 0
         self.amp_loss_scale: Optional[float] = None
-        self.local_nonfinite: List[List[int]] = [[0, 0] for _ in range(n)]
-        self.local_grad_norm: List[Optional[float]] = [None] * n
-        self.local_global_norm: Optional[float] = None
         self.detail_backward_steps = 0
         self._gaps_logged = False
         self.generation = 0
@@ -160,10 +184,8 @@ class Aggregator:
             "steps_total": self.steps_total, "nonfinite_steps": self.nonfinite_steps,
             "amp_skipped_steps": self.amp_skipped_steps,
             "histogram": (tuple(self.bucket_counts), self.hist_sum, self.hist_count),
-            "nonfinite": {(tensor, names[i], k): cell[k] for tensor, cells in self.nonfinite.items()
-                          for i, cell in enumerate(cells) for k in range(2) if cell[k]},
-            "local_nonfinite": {(names[i], k): cell[k] for i, cell in enumerate(self.local_nonfinite)
-                                for k in range(2) if cell[k]},
+            "nonfinite": {(stat, names[i], k): cell[k] for stat, f in self.folded.items() if f.cells
+                          for i, cell in enumerate(f.cells) for k in range(2) if cell[k]},
         }
 
     def resume(self, saved: Mapping[str, object]) -> None:
@@ -178,12 +200,10 @@ class Aggregator:
         self.hist_sum += hist_sum
         self.hist_count += hist_count
         index = {name: i for i, name in enumerate(self.layer_names)}
-        for (tensor, name, k), count in saved["nonfinite"].items():  # type: ignore[union-attr]
-            if tensor in self.nonfinite and name in index:
-                self.nonfinite[tensor][index[name]][k] += count
-        for (name, k), count in saved["local_nonfinite"].items():  # type: ignore[union-attr]
-            if name in index:
-                self.local_nonfinite[index[name]][k] += count
+        for (stat, name, k), count in saved["nonfinite"].items():  # type: ignore[union-attr]
+            cells = self.folded[stat].cells if stat in self.folded else None
+            if cells is not None and name in index:
+                cells[index[name]][k] += count
 
     # -- folding -------------------------------------------------------------------
 
@@ -204,17 +224,13 @@ class Aggregator:
         if packet.amp_scale:
             self.amp_loss_scale = values[-1]
         self._step_origin: Dict[str, int] = {}
-        any_bad = self._fold_grads(packet, values)
-        offset = 3 * len(packet.grad_params)
-        any_bad |= self._fold_activations(packet.act_meta, values, offset)
-        offset += 5 * len(packet.act_meta)
-        any_bad |= self._fold_grad_flow(packet.flow_meta, values, offset)
-        offset += 3 * len(packet.flow_meta)
-        any_bad |= self._fold_local(packet.local_params, values, offset)
+        any_bad = False
+        for stat, section, rows in S.read(values, packet.sections):
+            any_bad |= self._fold(self.folded[stat.name], section, rows, packet.sampled)
         if any_bad:
             self.nonfinite_steps += 1
         self._incident(any_bad, packet.global_step)
-        if packet.detail and packet.grad_params:
+        if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
             self.detail_backward_steps += 1
             self._log_gaps_once()
 
@@ -235,84 +251,38 @@ class Aggregator:
         if known is None or (layer > known if backward else layer < known):
             self._step_origin[tensor] = layer
 
-    def _count(self, cells: List[List[int]], layer: int, nan: float, inf: float, origin: str) -> bool:
+    def _count(self, cells: List[List[int]], layer: int, nan: float, inf: float, origin: Optional[str]) -> bool:
         if not (nan or inf):
             return False
-        self._mark_origin(origin, layer, backward=origin != M.TENSOR_ACTIVATION)
+        if origin is not None:
+            self._mark_origin(origin, layer, backward=origin != M.TENSOR_ACTIVATION)
         cells[layer][0] += int(nan)
         cells[layer][1] += int(inf)
         return True
 
-    def _per_layer(self, layers: Sequence[int], squares: Sequence[float], nans: Sequence[float],
-                   infs: Sequence[float], cells: List[List[int]], origin: str) -> Tuple[Dict[int, float], bool]:
-        """Sum of squares per layer of records (one per element of ``layers``), counting
-        their NaN/Inf into ``cells``. A group's norm is the root of its summed squares."""
-        acc: Dict[int, float] = {}
-        bad = False
-        for k, layer in enumerate(layers):
-            acc[layer] = acc.get(layer, 0.0) + squares[k]
-            bad |= self._count(cells, layer, nans[k], infs[k], origin)
-        return acc, bad
-
-    def _fold_grads(self, packet: StepPacket, v: List[float]) -> bool:
-        p = len(packet.grad_params)
-        if not p:
-            return False
-        layers = [self.param_layer[param] for param in packet.grad_params]
-        layer_sq, bad = self._per_layer(layers, v[:p], v[p:2 * p], v[2 * p:3 * p],
-                                        self.nonfinite[M.TENSOR_GRAD], M.TENSOR_GRAD)
-        self.seen[M.FAMILY_GRAD].update(layer_sq)
-        norm = math.sqrt(sum(layer_sq.values()))
-        self.global_norm = norm
-        self._observe(norm)
-        if packet.sampled:
-            for layer, sq in layer_sq.items():
-                self.grad_norm[layer] = math.sqrt(sq)
-        return bad
-
-    def _fold_activations(self, meta: Sequence[Tuple[int, int]], v: List[float], o: int) -> bool:
-        if not meta:
-            return False
-        r = len(meta)
+    def _fold(self, f: _Folded, section: Section, rows: Sequence[Sequence[float]], sampled: bool) -> bool:
+        """One statistic's records of one step, folded per (grouped) layer by its columns'
+        declared rules; counts its NaN/Inf into the counters. True if any was non-finite."""
+        stat = f.stat
         acc: Dict[int, List[float]] = {}
         bad = False
-        for k, (layer, numel) in enumerate(meta):
-            layer = self.layer_group[layer]
-            norm, lo, hi = v[o + 3 * k], v[o + 3 * k + 1], v[o + 3 * k + 2]
-            a = acc.setdefault(layer, [0.0, 0, 0.0])
-            a[0] += norm * norm
-            a[1] += numel
-            a[2] = _merge_max(a[2], _merge_max(abs(lo), abs(hi)))
-            bad |= self._count(self.nonfinite[M.TENSOR_ACTIVATION], layer, v[o + 3 * r + 2 * k],
-                               v[o + 3 * r + 2 * k + 1], M.TENSOR_ACTIVATION)
-        for layer, (sq, numel, amax) in acc.items():
-            self.activation_rms[layer] = math.sqrt(sq / numel) if numel else 0.0
-            self.activation_abs_max[layer] = amax
-        self.seen[M.FAMILY_ACTIVATION].update(acc)
-        return bad
-
-    def _fold_grad_flow(self, meta: Sequence[int], v: List[float], o: int) -> bool:
-        if not meta:
-            return False
-        q = len(meta)
-        acc, bad = self._per_layer([self.layer_group[layer] for layer in meta], [x * x for x in v[o:o + q]],
-                                   v[o + q:o + 3 * q:2], v[o + q + 1:o + 3 * q:2],
-                                   self.nonfinite[M.TENSOR_GRAD_FLOW], M.TENSOR_GRAD)
-        for layer, sq in acc.items():
-            self.grad_flow_norm[layer] = math.sqrt(sq)
-        self.seen[M.FAMILY_GRAD_FLOW].update(acc)
-        return bad
-
-    def _fold_local(self, params: Sequence[int], v: List[float], o: int) -> bool:
-        if not params:
-            return False
-        n = len(params)
-        layer_sq, bad = self._per_layer([self.param_layer[param] for param in params], [x * x for x in v[o:o + n]],
-                                        v[o + n:o + 3 * n:2], v[o + n + 1:o + 3 * n:2],
-                                        self.local_nonfinite, M.TENSOR_GRAD)
-        for layer, sq in layer_sq.items():
-            self.local_grad_norm[layer] = math.sqrt(sq)
-        self.local_global_norm = math.sqrt(sum(layer_sq.values()))
+        for key, numel, row in zip(section.keys, section.numels, rows):
+            layer = self.param_layer[key] if stat.by_parameter else self.layer_group[key]
+            acc[layer] = f.combine(acc.get(layer), row, numel)
+            if f.cells is not None:
+                bad |= self._count(f.cells, layer, row[f.nan], row[f.inf], stat.origin)
+        if stat.coverage:
+            self.seen[stat.coverage].update(acc)
+        if stat.total is not None:
+            j = f.norms[0]
+            f.total = math.sqrt(sum(a[j] for a in acc.values()))
+            if stat.histogram is not None:
+                self._observe(f.total)
+        if sampled or not stat.sampled:
+            for layer, a in acc.items():
+                columns = f.columns(a)
+                for gauge in stat.gauges:
+                    f.gauges[gauge.spec.name][layer] = gauge.value(columns)
         return bad
 
     def _observe(self, norm: float) -> None:
@@ -335,11 +305,13 @@ class Aggregator:
         the grad family after one step with gradients, the others after one detail step."""
         n = len(self.layer_names)
         out = {}
-        if self.steps_total:
-            out[M.FAMILY_GRAD] = n - len(self.seen[M.FAMILY_GRAD])
-        for f in (M.FAMILY_GRAD_FLOW, M.FAMILY_ACTIVATION):
-            if f in self.families:
-                out[f] = n - len(self.seen[f]) if self.detail_backward_steps else 0
+        for st in self.statistics:
+            if not st.coverage:
+                continue
+            if st.detail:
+                out[st.coverage] = n - len(self.seen[st.coverage]) if self.detail_backward_steps else 0
+            elif self.steps_total:
+                out[st.coverage] = n - len(self.seen[st.coverage])
         return out
 
     def _log_gaps_once(self) -> None:
@@ -364,13 +336,19 @@ class Aggregator:
         self.generation += 1
         names = self.layer_names
 
-        def pairs(values: Sequence[Optional[float]]) -> Tuple[Tuple[str, float], ...]:
-            return tuple((names[i], x) for i, x in enumerate(values) if x is not None)
-
-        nonfinite = tuple((names[i], tensor, kind, cell[k])
-                          for tensor, cells in self.nonfinite.items()
-                          for i, cell in enumerate(cells)
-                          for k, kind in enumerate(M.NONFINITE_KINDS))
+        gauges, counters = [], []
+        for f in self.folded.values():
+            st = f.stat
+            for gauge in st.gauges:
+                values = f.gauges[gauge.spec.name]
+                gauges.append(LayerSeries(gauge.spec, {}, st.reduced,
+                                          tuple((names[i], x) for i, x in enumerate(values) if x is not None)))
+            if st.counter is not None and f.cells is not None:
+                counters.append(LayerSeries(st.counter, st.counter_labels, st.reduced, tuple(
+                    (names[i], kind, cell[k]) for i, cell in enumerate(f.cells)
+                    for k, kind in enumerate(M.NONFINITE_KINDS))))
+        totals = {f.stat.total: f.total for f in self.folded.values()
+                  if f.stat.total is not None and f.total is not None}
         cumulative, running = [], 0
         for bound, count in zip(list(self.bounds) + [math.inf], self.bucket_counts):
             running += count
@@ -378,16 +356,10 @@ class Aggregator:
         return Snapshot(
             generation=self.generation, steps_total=self.steps_total,
             global_step=self.global_step, last_step_time=self.last_step_time,
-            global_norm=self.global_norm, grad_norm=pairs(self.grad_norm),
-            grad_flow_norm=pairs(self.grad_flow_norm), activation_rms=pairs(self.activation_rms),
-            activation_abs_max=pairs(self.activation_abs_max), nonfinite=nonfinite,
+            totals=totals, layer_gauges=tuple(gauges), layer_counters=tuple(counters),
             nonfinite_steps=self.nonfinite_steps, histogram=tuple(cumulative),
             histogram_sum=self.hist_sum, histogram_count=self.hist_count,
             uncovered=tuple(sorted(self.uncovered().items())), coverage=self.coverage(),
-            local_view=self.local_view, local_global_norm=self.local_global_norm,
-            local_grad_norm=pairs(self.local_grad_norm),
-            local_nonfinite=tuple((names[i], kind, cell[k]) for i, cell in enumerate(self.local_nonfinite)
-                                  for k, kind in enumerate(M.NONFINITE_KINDS)) if self.local_view else (),
             nonfinite_origin=tuple((tensor, names[layer], step) for tensor, (layer, step) in sorted(self.origin.items())),
             grouped_layers=len(self.layer_group) - len(self.layer_names),
             amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale)
@@ -404,14 +376,14 @@ class _Flush:
 class Publisher:
     """The thread between the training thread and the exporter."""
 
-    def __init__(self, aggregator: Aggregator, errors: ErrorLog,
-                 on_snapshot: Callable[[Snapshot], None], name: str) -> None:
+    def __init__(self, aggregator: Aggregator, errors: ErrorLog, name: str) -> None:
         self._agg = aggregator
         self._errors = errors
-        self._on_snapshot = on_snapshot
         self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"gradmon-publisher-{name}", daemon=True)
-        on_snapshot(aggregator.snapshot())  # every counter exists at 0 from attach() on
+        # The newest snapshot: immutable and replaced whole, so the exporter reads it from
+        # any thread. Built before the thread starts: every counter exists at 0 from attach().
+        self.latest: Snapshot = aggregator.snapshot()
         self._thread.start()
 
     def put(self, item: object) -> None:
@@ -455,7 +427,7 @@ class Publisher:
                 else:
                     self._fold(item)
             try:
-                self._on_snapshot(self._agg.snapshot())
+                self.latest = self._agg.snapshot()
             except Exception as exc:  # pragma: no cover - snapshot building is plain Python
                 self._errors.record("publish", exc)
             for token in flushes:

@@ -81,14 +81,14 @@ def gradient_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:
-    """(a (3, n) tensor on ``home``, column order): rows are sum of squares, NaN count,
-    Inf count; column j describes ``grads[order[j]]``.
+    """(an (n, 3) tensor on ``home``, row order): columns are L2 norm, NaN count, Inf
+    count; row j describes ``grads[order[j]]``.
 
     The norms go through ``torch._foreach_norm`` (one multi-tensor kernel per device and
     dtype rather than one per parameter); fp16/bf16 gradients are reduced in float32 so
-    that a large but finite norm does not overflow to Inf. Columns come grouped by
-    device and the host undoes the grouping, because scattering them back on the device
-    would need an index tensor copied from the host.
+    that a large but finite norm does not overflow to Inf. Rows come grouped by device
+    and the host undoes the grouping, because scattering them back on the device would
+    need an index tensor copied from the host.
     """
     by_group: Dict[Tuple[torch.device, torch.dtype], List[int]] = defaultdict(list)
     dense = [_dense(g) for g in grads]
@@ -101,13 +101,13 @@ def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple
         group = [dense[i] for i in idx]
         norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW_PRECISION else None))
         if _host_says_finite(norms):
-            counts = torch.zeros((2, len(group)), dtype=ship, device=norms.device)
+            counts = torch.zeros((len(group), 2), dtype=ship, device=norms.device)
         else:
-            counts = torch.stack([_counts(g) for g in group], dim=1).to(ship)
-        blocks.append(torch.cat((norms.to(ship).square().unsqueeze(0), counts)).to(home, non_blocking=True))
+            counts = torch.stack([_counts(g) for g in group]).to(ship)
+        blocks.append(torch.cat((norms.to(ship).unsqueeze(1), counts), dim=1).to(home, non_blocking=True))
         order.extend(idx)
-    stats = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-    return stats, tuple(order)
+    rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return rows, tuple(order)
 
 
 def pack(parts: Sequence[torch.Tensor], home: torch.device) -> torch.Tensor:

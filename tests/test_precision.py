@@ -21,7 +21,7 @@ def test_fp16_gradscaler_norms_are_unscaled_and_overflow_skips_are_not_nonfinite
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # overflows until it has halved enough
-    mon = attach(model, scaler=scaler, detail_every=1)
+    mon = attach(model, scaler=scaler, detail_every=1, local_view=True)
     skipped = stepped = 0
     expected = None
     for _ in range(40):
@@ -49,6 +49,8 @@ def test_fp16_gradscaler_norms_are_unscaled_and_overflow_skips_are_not_nonfinite
     assert value(s, "gradmon_nonfinite_steps_total") == 0
     assert all(v == 0 for (n, _), v in s.items() if n == "gradmon_nonfinite_total")
     assert math.isclose(value(s, "gradmon_grad_global_norm"), expected, rel_tol=1e-4)
+    # the local (pre-all-reduce) view is unscaled as well; one process: it equals the gradient
+    assert math.isclose(value(s, "gradmon_local_grad_global_norm"), expected, rel_tol=1e-4)
     assert value(s, "gradmon_amp_loss_scale") == scaler.get_scale()
     # gradient flow is unscaled too: of the same order as the parameter gradients, not 1e9 larger
     assert value(s, "gradmon_grad_flow_norm", layer="4") < 1e3

@@ -42,7 +42,7 @@ def test_activation_checkpointing_measures_each_forward_once(attach, reentrant):
     mon = attach(model, detail_every=1)
     x = torch.randn(4, 6, requires_grad=True)  # reentrant checkpointing needs an input that requires grad
     model(x).sum().backward()
-    calls = [layer for layer, _ in mon._recorder._act.meta]
+    calls = mon._recorder._records["activation"].keys()
     opt.step()
     mon.flush()
     s = scrape(mon.url)
@@ -189,16 +189,16 @@ def test_a_failing_publisher_fold_counts_the_error_and_keeps_every_step(attach, 
 
     model = nn.Sequential(nn.Linear(4, 4))
     mon = attach(model)
-    real = snapshot.Aggregator._fold_grads
+    real = snapshot.Aggregator._fold
     calls = {"n": 0}
 
-    def flaky(self, packet, values):
+    def flaky(self, *args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected")
-        return real(self, packet, values)
+        return real(self, *args)
 
-    monkeypatch.setattr(snapshot.Aggregator, "_fold_grads", flaky)
+    monkeypatch.setattr(snapshot.Aggregator, "_fold", flaky)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     for _ in range(4):
         model(torch.randn(2, 4)).sum().backward()

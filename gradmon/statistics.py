@@ -1,0 +1,238 @@
+"""The per-layer statistics, each declared once.
+
+A :class:`Statistic` says everything gradmon needs to know about one thing it measures
+per layer: the option that switches it on, the moment the hooks record it, the
+on-device function that records it, the columns of one record and how each column
+folds (over a layer's several calls, over layers grouped under the series budget, and
+over FSDP shards), the Prometheus families it feeds and what it costs in series.
+
+Everything downstream loops over :data:`STATISTICS`: the hooks record each enabled
+statistic at its moment, the step packet is laid out section by section from the
+declared columns (:func:`read` is the only reader of that layout), the aggregator folds
+by the declared rules, the exporter emits the declared families and the series budget
+adds up the declared costs. Adding a statistic is one entry here and its record
+function in ``stats.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from . import metrics as M
+from . import stats
+
+# -- moments: where the hooks record a statistic ----------------------------------------------
+
+PARAM_GRAD = "param_grad"
+"""Every monitored parameter's gradient at the end of backward: accumulated, reduced by
+DDP/FSDP, before any clipping. ``record(grads, home)`` gets them all at once (one
+multi-tensor kernel) and returns ``(rows, order)``: an (n, width) tensor on ``home``
+whose row j describes ``grads[order[j]]``."""
+
+LOCAL_GRAD = "local_grad"
+"""One parameter's own gradient in its post-accumulate-grad hook, before DDP's
+all-reduce. ``record(grad)`` returns one tensor per part. The last record of a parameter
+in a step wins: it holds every micro-batch accumulated so far."""
+
+OUTPUT = "output"
+"""A layer's output in its forward hook (training forwards, detail steps).
+``record(output)`` returns one tensor per part; each call is a record."""
+
+OUTPUT_GRAD = "output_grad"
+"""The gradient with respect to a layer's output, from a tensor hook put on the output
+in the forward hook (detail steps). ``record(grad)``; each call is a record."""
+
+BY_PARAMETER = (PARAM_GRAD, LOCAL_GRAD)  # records keyed by parameter index, not layer index
+
+# -- folds: how the values of one column combine --------------------------------------------
+
+SUM = "sum"
+"""Added: element counts."""
+NORM = "norm"
+"""An L2 norm: combined as the root of the summed squares (a layer's several calls, the
+layers of a group, the shards of a parameter)."""
+ABSMAX = "absmax"
+"""The largest absolute value; a NaN stays NaN."""
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    fold: str
+    scale_power: int = 0
+    """A GradScaler's loss scale multiplies this column by scale**power (a gradient's norm:
+    1); gradmon divides it out on the device. Counts are unaffected (0)."""
+
+
+@dataclass(frozen=True)
+class LayerGauge:
+    spec: M.MetricSpec
+    value: Callable[[Mapping[str, float]], float]
+    """From one layer's folded columns (NORM columns already rooted) and ``numel``, the
+    elements its records covered."""
+
+
+@dataclass(frozen=True)
+class Statistic:
+    name: str
+    switch: Optional[str]
+    """The Config field that turns it on; None: always on."""
+    at: str
+    """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD)."""
+    parts: Tuple[Tuple[Column, ...], ...]
+    """The columns of one record, grouped as the tensors ``record`` returns them."""
+    record: Callable[..., Any]
+    gauges: Tuple[LayerGauge, ...] = ()
+    counter: Optional[M.MetricSpec] = None
+    """Family counting the records' "nan" and "inf" columns, per layer and ``kind``."""
+    counter_labels: Mapping[str, str] = field(default_factory=dict)
+    origin: Optional[str] = None
+    """``tensor`` label under which a non-finite record marks the incident's origin:
+    the first layer in forward order for outputs, in backward order for gradients."""
+    coverage: Optional[str] = None
+    """The ``family`` of gradmon_uncovered_layers and Monitor.coverage(), if any."""
+    reduced: bool = False
+    """Identical on every rank (the gradient after DDP's all-reduce or FSDP's reduction):
+    its per-layer series are exported by rank 0 alone."""
+    sampled: bool = False
+    """Per-layer gauges follow ``every`` (the step's other uses of it do not)."""
+    detail: bool = False
+    """Recorded on detail steps only (``detail_every``)."""
+    total: Optional[M.MetricSpec] = None
+    """Model-level gauge: the root of the summed squares of its first NORM column over
+    all layers, on every step it is recorded."""
+    histogram: Optional[M.MetricSpec] = None
+    """Histogram observing ``total`` on every step."""
+
+    @property
+    def columns(self) -> Tuple[Column, ...]:
+        return tuple(c for part in self.parts for c in part)
+
+    @property
+    def by_parameter(self) -> bool:
+        return self.at in BY_PARAMETER
+
+    @property
+    def series_per_layer(self) -> int:
+        """Series one layer costs: a gauge each, and the nan/inf pair of its counter."""
+        return len(self.gauges) + (len(M.NONFINITE_KINDS) if self.counter is not None else 0)
+
+    def index(self, column: str) -> int:
+        return [c.name for c in self.columns].index(column)
+
+
+def _norm(c: Mapping[str, float]) -> float:
+    return c["norm"]
+
+
+def _rms(c: Mapping[str, float]) -> float:
+    return c["norm"] / math.sqrt(c["numel"]) if c["numel"] else 0.0
+
+
+def _abs_max(c: Mapping[str, float]) -> float:
+    return merge_max(c["lo"], c["hi"])
+
+
+_COUNTS = (Column("nan", SUM), Column("inf", SUM))
+_GRAD_NORM = Column("norm", NORM, scale_power=1)
+
+# Record functions are looked up in ``stats`` at call time, so that a test (or a
+# debugging session) can swap one and see the hooks use it.
+GRAD = Statistic(
+    "grad", None, PARAM_GRAD, ((_GRAD_NORM,) + _COUNTS,),
+    lambda grads, home: stats.param_grad_stats(grads, home),
+    gauges=(LayerGauge(M.GRAD_NORM, _norm),),
+    counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD}, origin=M.TENSOR_GRAD,
+    coverage=M.FAMILY_GRAD, reduced=True, sampled=True,
+    total=M.GRAD_GLOBAL_NORM, histogram=M.GRAD_GLOBAL_NORM_DISTRIBUTION)
+
+GRAD_FLOW = Statistic(
+    "grad_flow", "grad_flow", OUTPUT_GRAD, ((_GRAD_NORM,), _COUNTS),
+    lambda grad: stats.gradient_record(grad),
+    gauges=(LayerGauge(M.GRAD_FLOW_NORM, _norm),),
+    counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD_FLOW}, origin=M.TENSOR_GRAD,
+    coverage=M.FAMILY_GRAD_FLOW, detail=True)
+
+ACTIVATION = Statistic(
+    "activation", "activations", OUTPUT,
+    ((Column("norm", NORM), Column("lo", ABSMAX), Column("hi", ABSMAX)), _COUNTS),
+    lambda output: stats.activation_record(output),
+    gauges=(LayerGauge(M.ACTIVATION_RMS, _rms), LayerGauge(M.ACTIVATION_ABS_MAX, _abs_max)),
+    counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_ACTIVATION}, origin=M.TENSOR_ACTIVATION,
+    coverage=M.FAMILY_ACTIVATION, detail=True)
+
+LOCAL = Statistic(
+    "local", "local_view", LOCAL_GRAD, ((_GRAD_NORM,), _COUNTS),
+    lambda grad: stats.gradient_record(grad),
+    gauges=(LayerGauge(M.LOCAL_GRAD_NORM, _norm),),
+    counter=M.LOCAL_NONFINITE, origin=M.TENSOR_GRAD, total=M.LOCAL_GRAD_GLOBAL_NORM)
+
+#: Every statistic, in packet order.
+STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL)
+
+
+def enabled(cfg: Any, **resolved: object) -> Tuple[Statistic, ...]:
+    """The statistics ``cfg`` turns on; ``resolved`` overrides switches decided at attach
+    (``local_view=None`` means "when the model is wrapped in DDP")."""
+    return tuple(s for s in STATISTICS
+                 if s.switch is None or (resolved[s.switch] if s.switch in resolved else getattr(cfg, s.switch)))
+
+
+def series_per_layer(statistics: Sequence[Statistic]) -> int:
+    return sum(s.series_per_layer for s in statistics)
+
+
+def _check(table: Sequence[Statistic]) -> None:
+    names = [s.name for s in table]
+    assert len(set(names)) == len(names), names
+    for s in table:
+        if s.at == PARAM_GRAD:
+            # the FSDP collective and the unscaling take the rows as one block
+            assert len(s.parts) == 1, s.name
+        if s.counter is not None:
+            s.index("nan"), s.index("inf")
+        if s.total is not None:
+            assert any(c.fold == NORM for c in s.columns), s.name
+
+
+_check(STATISTICS)
+
+
+# -- the step packet's layout -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Section:
+    """The records of one statistic in a step packet: ``keys`` are layer indices, or
+    parameter indices for statistics recorded by parameter; ``numels`` the elements each
+    record covered. In the packet the section holds, for each part of the statistic, an
+    (n, part width) block in row order."""
+
+    statistic: Statistic
+    keys: Tuple[int, ...]
+    numels: Tuple[int, ...]
+
+
+def read(values: Sequence[float], sections: Sequence[Section], offset: int = 0
+         ) -> Iterator[Tuple[Statistic, Section, List[List[float]]]]:
+    """Each section's statistic, and its records as rows of column values (in
+    ``Statistic.columns`` order): the one reader of what the hooks wrote."""
+    for section in sections:
+        stat = section.statistic
+        n = len(section.keys)
+        rows: List[List[float]] = [[] for _ in range(n)]
+        for part in stat.parts:
+            w = len(part)
+            block = values[offset:offset + n * w]
+            for k in range(n):
+                rows[k].extend(block[k * w:(k + 1) * w])
+            offset += n * w
+        yield stat, section, rows
+
+
+def merge_max(a: float, b: float) -> float:
+    # max() drops NaN depending on argument order; a NaN activation must stay visible.
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a if a >= b else b

@@ -1,0 +1,156 @@
+"""One declaration per statistic: a statistic declared only here, in the table, is
+recorded by the hooks, laid out in the packet, folded, exported and budgeted, with no
+other change. And every gradmon_* name that a rule, a dashboard or a deploy file uses
+exists."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import scrape, value
+from gradmon import alerting
+from gradmon import metrics as M
+from gradmon import statistics as S
+
+ROOT = Path(__file__).resolve().parents[1]
+
+OUTPUT_SUM = M.MetricSpec("gradmon_test_output_sum", "gauge", ("layer",), "Sum of the layer's output (test).")
+OUTPUT_PEAK = M.MetricSpec("gradmon_test_output_peak", "gauge", ("layer",), "Max |x| of the output (test).")
+GRAD_PEAK = M.MetricSpec("gradmon_test_grad_peak", "gauge", ("layer",), "Max |g| of the parameters (test).")
+GRAD_ELEMENTS = M.MetricSpec("gradmon_test_grad_elements", "gauge", ("layer",), "Gradient elements (test).")
+
+
+def _output_record(t: torch.Tensor):
+    t = t.detach().double()
+    return (torch.stack((t.sum(), t.abs().amax())),)
+
+
+def _grad_rows(grads, home):
+    return torch.stack([g.detach().abs().amax().double() for g in grads]).unsqueeze(1).to(home), tuple(range(len(grads)))
+
+
+OUTPUT_STAT = S.Statistic(
+    "test_output", None, S.OUTPUT, ((S.Column("sum", S.SUM), S.Column("peak", S.ABSMAX)),), _output_record,
+    gauges=(S.LayerGauge(OUTPUT_SUM, lambda c: c["sum"]), S.LayerGauge(OUTPUT_PEAK, lambda c: c["peak"])),
+    detail=True)
+GRAD_STAT = S.Statistic(
+    "test_grad", None, S.PARAM_GRAD, ((S.Column("peak", S.ABSMAX),),), _grad_rows,
+    gauges=(S.LayerGauge(GRAD_PEAK, lambda c: c["peak"]), S.LayerGauge(GRAD_ELEMENTS, lambda c: c["numel"])),
+    reduced=True)
+
+
+def _cfg():
+    from gradmon.config import Config
+    return Config()
+
+
+@pytest.fixture
+def with_test_statistics(monkeypatch):
+    monkeypatch.setattr(S, "STATISTICS", S.STATISTICS + (OUTPUT_STAT, GRAD_STAT))
+
+
+def test_a_statistic_declared_once_is_recorded_folded_and_exported(attach, with_test_statistics):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    mon = attach(model, detail_every=1)
+    x = torch.randn(5, 4)
+    outputs = {}
+    model[0].register_forward_hook(lambda m, i, o: outputs.__setitem__("0", o.detach()))
+    model[2].register_forward_hook(lambda m, i, o: outputs.__setitem__("2", o.detach()))
+    model(x).square().sum().backward()
+    grads = {name: [p.grad.clone() for p in model[int(name)].parameters()] for name in ("0", "2")}
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    mon.flush()
+    s = scrape(mon.url)
+    for layer in ("0", "2"):
+        out = outputs[layer].double()
+        assert math.isclose(value(s, "gradmon_test_output_sum", layer=layer), out.sum().item(), rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(value(s, "gradmon_test_output_peak", layer=layer), out.abs().max().item(), rel_tol=1e-9)
+        peak = max(g.abs().max().item() for g in grads[layer])
+        assert math.isclose(value(s, "gradmon_test_grad_peak", layer=layer), peak, rel_tol=1e-6)
+        assert value(s, "gradmon_test_grad_elements", layer=layer) == sum(g.numel() for g in grads[layer])
+    # the statistics already there are unchanged beside it
+    total = math.sqrt(sum(g.square().sum().item() for gs in grads.values() for g in gs))
+    assert math.isclose(value(s, "gradmon_grad_global_norm"), total, rel_tol=1e-6)
+
+
+def test_grouped_layers_fold_a_declared_statistic_by_its_columns(attach, with_test_statistics):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 2))
+    per_layer = S.series_per_layer(S.enabled(_cfg(), local_view=False))
+    mon = attach(model, detail_every=1, series_budget=2 * per_layer)  # 3 layers -> 2 groups: "0", "1"
+    outputs = []
+    for m in (model[0][0], model[0][1]):
+        m.register_forward_hook(lambda mod, i, o: outputs.append(o.detach().double()))
+    model(torch.randn(3, 4)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    mon.flush()
+    s = scrape(mon.url)
+    assert mon.layers == ("0.0", "0.1", "1") and value(s, "gradmon_grouped_layers") == 1
+    assert math.isclose(value(s, "gradmon_test_output_sum", layer="0"), sum(o.sum().item() for o in outputs),
+                        rel_tol=1e-9, abs_tol=1e-12)  # SUM adds
+    assert math.isclose(value(s, "gradmon_test_output_peak", layer="0"),
+                        max(o.abs().max().item() for o in outputs), rel_tol=1e-9)  # ABSMAX takes the largest
+
+
+def test_the_series_budget_counts_every_declared_statistic(with_test_statistics):
+    enabled = S.enabled(_cfg(), local_view=False)
+    assert OUTPUT_STAT in enabled and GRAD_STAT in enabled
+    # grad 1+2, activation 2+2, grad flow 1+2, and the two test statistics' 2 gauges each
+    assert S.series_per_layer(enabled) == 3 + 4 + 3 + 2 + 2
+
+
+def test_switches_turn_statistics_off():
+    from gradmon.config import Config
+    names = [s.name for s in S.enabled(Config(activations=False, grad_flow=False), local_view=True)]
+    assert names == ["grad", "local"]
+
+
+def test_the_packet_reader_walks_the_declared_parts_in_order():
+    # activation: parts (norm, lo, hi) and (nan, inf); two records for layers 3 and 1
+    values = [10.0, -1.0, 2.0, 20.0, -3.0, 4.0, 0.0, 1.0, 5.0, 0.0]
+    (stat, section, rows), = S.read(values, [S.Section(S.ACTIVATION, (3, 1), (7, 8))])
+    assert stat is S.ACTIVATION and section.keys == (3, 1)
+    assert rows == [[10.0, -1.0, 2.0, 0.0, 1.0], [20.0, -3.0, 4.0, 5.0, 0.0]]
+
+
+# -- names -----------------------------------------------------------------------------------
+
+def _known_names() -> set:
+    exported = {n for spec in M.ALL_SPECS for n in M.exposed_names(spec)}
+    recorded = {r["record"] for r in alerting.recording_rules(alerting.Thresholds(), alerting.PRODUCTION)}
+    return exported | recorded
+
+
+def _shipped_files():
+    for folder in ("deploy", "dashboards"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.is_file() and path.suffix in (".yml", ".yaml", ".json"):
+                yield path
+
+
+def unknown_names(text: str, known: set) -> set:
+    """Metric and recording-rule names in ``text`` that gradmon neither exports nor
+    records. Label values and free text use the same characters, so a name is a token
+    that starts with gradmon_ or is a recording rule (level:metric:operation)."""
+    tokens = re.findall(r"(?<![\w:/.-])([a-zA-Z_][a-zA-Z0-9_]*:[a-zA-Z0-9_:]+|gradmon_[a-zA-Z0-9_]+)", text)
+    return {t for t in tokens if (t.startswith("gradmon_") or t.count(":") >= 2) and t not in known}
+
+
+def test_every_gradmon_name_in_rules_dashboards_and_deploy_files_exists():
+    known = _known_names()
+    unknown = {str(p.relative_to(ROOT)): unknown_names(p.read_text(), known) for p in _shipped_files()}
+    assert not {k: v for k, v in unknown.items() if v}, unknown
+
+
+def test_the_names_check_catches_a_renamed_metric_or_rule():
+    known = _known_names()
+    rule = ('expr: rate(gradmon_steps_total[1m]) > 0 and model_rank:gradmon_grad_global_norm:post_warmup\n'
+            'expr: gradmon_grad_global_norms > 1 or model_rank:gradmon_grad_norm:median')
+    assert unknown_names(rule, known) == {"gradmon_grad_global_norms", "model_rank:gradmon_grad_norm:median"}
