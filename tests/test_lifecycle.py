@@ -407,7 +407,9 @@ def test_ctrl_c_ends_the_final_scrape_wait_at_once_and_still_frees_the_port():
     assert time.monotonic() - t0 < 2
     assert mon.state == "detached"
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+        # as any server would: the scrapes' closed connections may linger in TIME_WAIT
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))  # fails while anything still listens on it
 
 
 def test_ctrl_c_during_the_wait_leaves_the_users_exception_as_it_was():
