@@ -133,8 +133,17 @@ class Alert:
         return f"{RUNBOOK}#{self.name.lower()}"
 
 
+def _last_state(states: Sequence[str], by: str, t: Timing) -> str:
+    """True (1) where the last run state a target reported, within the history window, is one
+    of ``states``. last_over_time, not max_over_time: one scrape just before the process exits
+    is enough, and a target that reports ``training`` again (an elastic restart) clears it at
+    once, where a max over the window would fire again when the restarted run ends."""
+    selector = f"gradmon_run_state{{state=~\"{'|'.join(states)}\"}}"
+    return f"max by ({by}) (last_over_time({selector}[{dur(t.history_window)}])) == 1"
+
+
 def alerts(th: Thresholds, t: Timing) -> List[Alert]:
-    finished = (f"max by ({TARGET}) (max_over_time(gradmon_run_state{{state=\"finished\"}}[{dur(t.history_window)}])) == 1")
+    ended = _last_state(M.END_STATES, TARGET, t)  # a target gone after any end is not "down"
     where = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"
     return [
         Alert("GradmonNonFiniteGradients", "critical", "NaN/Inf gradients",
@@ -180,15 +189,22 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"in the last {dur(t.history_window)} and reports no more, without having finished: "
               "the process died, hung hard, or its pod is gone.",
               f"(\n  max by ({TARGET}) (max_over_time(gradmon_steps_total[{dur(t.history_window)}]))\n"
-              f"  unless max by ({TARGET}) (gradmon_steps_total)\n)\nunless on({TARGET}) ({finished})",
+              f"  unless max by ({TARGET}) (gradmon_steps_total)\n)\nunless on({TARGET}) ({ended})",
               t.down_for),
         Alert("GradmonRanksMissing", "critical", "Fewer ranks report than the world size",
               "Only {{ $value }} ranks of job {{ $labels.job }} (model {{ $labels.model }}) report, fewer than "
               "its world size: some ranks never came up or their targets are missing.",
               f"(\n  count by (job, model) (gradmon_steps_total)\n"
               f"  < max by (job, model) (max_over_time(gradmon_world_size[{dur(t.history_window)}]))\n)\n"
-              f"unless on(job, model) (max by (job, model) (max_over_time(gradmon_run_state{{state=\"finished\"}}[{dur(t.history_window)}])) == 1)",
+              f"unless on(job, model) ({_last_state(M.END_STATES, 'job, model', t)})",
               t.down_for),
+        Alert("GradmonRunFailed", "critical", "A training run failed",
+              f"The run ended with an exception ({{{{ $labels.exception }}}}) on {where}. Its last traceback is in "
+              "the job's log; other ranks' missing, down or stalled alerts of this job are inhibited.",
+              f"({_last_state((M.STATE_FAILED,), TARGET, t)})\n"
+              f"* on({TARGET}) group_left(exception)\n"
+              f"max by ({TARGET}, exception) (last_over_time({M.RUN_FAILURE_INFO.name}[{dur(t.history_window)}]))",
+              0),
         Alert("GradmonLossScaleCollapse", "warning", "AMP loss scale collapsing",
               f"The GradScaler skipped most steps or its loss scale fell below {th.amp_min_loss_scale:g} ({where}): "
               "persistent overflow, the run is not learning. Value: {{ $value | humanize }}.",
@@ -217,6 +233,8 @@ INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
                                    "GradmonRankDivergence", "GradmonActivationBlowup")),
     # a dead exporter explains why no step is seen
     ("GradmonExporterDown", ("GradmonTrainingStalled",)),
+    # a failed rank explains the others that torchrun then kills, or that hang in a collective
+    ("GradmonRunFailed", ("GradmonExporterDown", "GradmonRanksMissing", "GradmonTrainingStalled")),
 )
 
 

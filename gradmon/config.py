@@ -132,11 +132,19 @@ class Config:
     are merged into the next step (see README, Mixed precision)."""
 
     final_scrape_timeout: float = 30.0
-    """Seconds ``detach()`` waits for one more scrape, so that Prometheus sees the run
-    state "finished" and a job that ended normally does not page as stalled or missing.
-    It waits only if the endpoint was scraped before (nobody watching, no wait), and
-    returns as soon as that scrape has happened; 0 does not wait. 30 s covers the
-    usual 15-30 s scrape intervals."""
+    """Most seconds the end of a run (``detach()``, the end of a ``with`` block, interpreter
+    exit) waits for Prometheus to scrape the final run state once, so that a job that
+    ended normally does not page as down and a failed one does. It waits only while the
+    endpoint is scraped periodically (two scrapes or more from one address), and only
+    until every such scraper has scraped once after the change; 0 never waits. 30 s
+    covers the usual 15-30 s scrape intervals."""
+
+    handle_sigterm: bool = False
+    """On SIGTERM (preemption, ``scancel``, a pod deleted), publish the non-paging run
+    state "terminated", wait up to 10 s (and at most ``final_scrape_timeout``) for one
+    scrape, then die of the signal as before. Only when SIGTERM still has its default
+    action at ``attach()``: gradmon never replaces a job's own signal handling. Off by
+    default, because installing a signal handler is the job's decision."""
 
     log_every_incident: bool = False
     """Log every non-finite step, not only the first of each run of non-finite steps."""
@@ -203,6 +211,8 @@ def _validate(cfg: Config) -> None:
     if not isinstance(cfg.final_scrape_timeout, (int, float)) or isinstance(cfg.final_scrape_timeout, bool) \
             or not 0 <= cfg.final_scrape_timeout <= 3600:
         _fail("final_scrape_timeout", f"must be a number of seconds in 0..3600, got {cfg.final_scrape_timeout!r}")
+    if not isinstance(cfg.handle_sigterm, bool):
+        _fail("handle_sigterm", f"must be True or False, got {cfg.handle_sigterm!r}")
     if not isinstance(cfg.series_budget, int) or isinstance(cfg.series_budget, bool) or cfg.series_budget < 20:
         _fail("series_budget", f"must be an integer of at least 20 series, got {cfg.series_budget!r}")
     if cfg.on_nonfinite is not None and not callable(cfg.on_nonfinite):
@@ -287,6 +297,7 @@ _ENV_PARSERS: Dict[str, Callable[[str, str], Any]] = {
     "disable": _parse_bool,
     "series_budget": _parse_int,
     "final_scrape_timeout": _parse_float,
+    "handle_sigterm": _parse_bool,
     "log_every_incident": _parse_bool,
 }
 

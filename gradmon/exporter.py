@@ -42,6 +42,7 @@ class ExportView:
     reduced_per_layer: bool = True
     """False on ranks other than 0 when every rank holds the same reduced gradient
     (DDP, FSDP): rank 0 carries those per-layer series, the others only their own."""
+    failure: Optional[str] = None  # the exception type name of a failed run
 
 
 ExportSource = Callable[[], ExportView]
@@ -84,6 +85,8 @@ def add_view(fam: _Families, view: ExportView) -> None:
     fam.add(M.WORLD_SIZE, base, float(view.info["world_size"]))
     for state in M.RUN_STATES:
         fam.add(M.RUN_STATE, _with(base, state=state), 1 if state == view.run_state else 0)
+    if view.run_state == M.STATE_FAILED and view.failure:
+        fam.add(M.RUN_FAILURE_INFO, _with(base, exception=view.failure), 1)
     # per-model values; None means "not measured yet" (or no scaler): no sample at all
     for spec, value in ((M.STEPS, s.steps_total), (M.STEP, s.global_step),
                         (M.LAST_STEP_TIMESTAMP, s.last_step_time),
@@ -119,12 +122,16 @@ class GradmonCollector:
         self._lock = threading.Lock()
         self._sources: Dict[int, Tuple[ExportSource, Callable[[str, BaseException], None]]] = {}
         self._generations: Dict[int, Callable[[], Hashable]] = {}
+        # Final views of models detached while others still use the endpoint: served until
+        # the endpoint closes, so that one final-scrape wait covers every model on it.
+        self._retired: Dict[int, ExportView] = {}
 
     def generation(self) -> Hashable:
         """Changes whenever any model publishes a snapshot or changes run state."""
         with self._lock:
             gens = list(self._generations.items())
-        return tuple((key, gen()) for key, gen in gens)
+            retired = tuple(self._retired)
+        return tuple((key, gen()) for key, gen in gens), retired
 
     def add(self, key: int, source: ExportSource, on_error: Callable[[str, BaseException], None],
             generation: Callable[[], Hashable]) -> None:
@@ -144,20 +151,37 @@ class GradmonCollector:
         with self._lock:
             self._sources.pop(key, None)
             self._generations.pop(key, None)
+            self._retired.pop(key, None)
             return len(self._sources)
+
+    def retire(self, key: int, final: ExportView) -> None:
+        """Serve ``final`` in place of the source ``key`` from now on."""
+        with self._lock:
+            self._sources.pop(key, None)
+            self._generations.pop(key, None)
+            self._retired[key] = final
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
             sources = list(self._sources.values())
+            retired = list(self._retired.values())
         fam = _Families()
-        process_labels: Optional[Mapping[str, str]] = None
+        views: List[Tuple[ExportView, Callable[[str, BaseException], None]]] = []
         for source, on_error in sources:
             try:
-                view = source()
+                views.append((source(), on_error))
+            except Exception as exc:  # one broken model must not blank the whole scrape
+                on_error("collect", exc)
+        live = {tuple(sorted(v.labels.items())) for v, _ in views}
+        # a model attached again under the same name and labels replaces its retired view
+        views += [(v, lambda stage, exc: None) for v in retired if tuple(sorted(v.labels.items())) not in live]
+        process_labels: Optional[Mapping[str, str]] = None
+        for view, on_error in views:
+            try:
                 add_view(fam, view)
                 if process_labels is None:
                     process_labels = {k: v for k, v in view.labels.items() if k != "model"}
-            except Exception as exc:  # one broken model must not blank the whole scrape
+            except Exception as exc:
                 on_error("collect", exc)
         if process_labels is not None:
             for spec, labels, value in process.samples(process_labels):
@@ -166,6 +190,18 @@ class GradmonCollector:
 
 
 # -- endpoints -------------------------------------------------------------------------
+
+_MAX_SCRAPERS = 64  # addresses remembered per endpoint: a flood of clients cannot grow it
+
+
+@dataclass
+class _Scraper:
+    """What the final-scrape wait knows of one address that scrapes the endpoint."""
+
+    last_start: float = 0.0  # monotonic time its latest scrape started
+    interval: float = 0.0  # between its last two scrapes; 0 until it has scraped twice
+    answered: int = 0  # the start sequence number of its latest scrape answered to the last byte
+
 
 @dataclass
 class Endpoint:
@@ -177,8 +213,8 @@ class Endpoint:
     server: Optional[MetricsServer] = None
     cache: Optional[CachedExposition] = None
     users: set = field(default_factory=set)  # keys of the monitors using it
-    scrapes_started: int = 0
-    scrapes: int = 0  # answered to the last byte
+    scrapes_started: int = 0  # also the sequence number of the latest scrape
+    scrapers: Dict[str, _Scraper] = field(default_factory=dict)  # by peer address
     requested: Tuple[int, int] = (0, 0)  # (port option, port after the rank offset)
     serving_options: Tuple[object, ...] = ()
     scraped: threading.Condition = field(default_factory=threading.Condition)
@@ -200,27 +236,61 @@ class Endpoint:
         """False once a server thread this endpoint started has died."""
         return self.server is None or self.server.alive()
 
-    def start_scrape(self) -> None:
+    def start_scrape(self, peer: str) -> Tuple[_Scraper, int]:
         with self.scraped:
             self.scrapes_started += 1
+            now = time.monotonic()
+            scraper = self.scrapers.get(peer)
+            if scraper is None:
+                if len(self.scrapers) >= _MAX_SCRAPERS:
+                    del self.scrapers[min(self.scrapers, key=lambda p: self.scrapers[p].last_start)]
+                scraper = self.scrapers[peer] = _Scraper()
+            else:
+                scraper.interval = now - scraper.last_start
+            scraper.last_start = now
+            return scraper, self.scrapes_started
 
-    def count_scrape(self) -> None:
+    def count_scrape(self, token: Tuple[_Scraper, int]) -> None:
+        scraper, seq = token
         with self.scraped:
-            self.scrapes += 1
+            scraper.answered = max(scraper.answered, seq)
             self.scraped.notify_all()
 
-    def wait_for_scrape(self, after: int, timeout: float) -> bool:
-        """Block until more than ``after`` scrapes have been answered, or ``timeout``. With
-        ``after`` the number *started* at some moment, one answered scrape started later."""
-        # in short slices: a Ctrl-C must end the wait at once, not after ``timeout``
-        deadline = time.monotonic() + timeout
+    def await_final_scrape(self, timeout: float, state: str) -> bool:
+        """Let every periodic scraper render the run state just set once before the endpoint goes.
+
+        Waited for: each address that scraped twice or more and, at its own interval, is
+        due again (it scraped within its last two intervals); HA Prometheus pairs scrape
+        at interleaved times, so one scrape is not enough. A single curl is nobody to wait
+        for. Returns as soon as each has answered a scrape that started after the change,
+        or after ``timeout``; False then. A KeyboardInterrupt ends the wait at once."""
         with self.scraped:
-            while self.scrapes <= after:
+            changed_at = self.scrapes_started  # a scrape started later renders the new state
+            now = time.monotonic()
+            due = {peer: s for peer, s in self.scrapers.items()
+                   if s.interval > 0 and now - s.last_start <= 2 * s.interval}
+        if not due or timeout <= 0:
+            return True
+        expected = min(timeout, max(s.interval for s in due.values()))
+        (log.warning if expected > 2 else log.debug)(
+            "gradmon: waiting up to %.0f s for %s (scraping every %s) to scrape the run state %r once "
+            "before the endpoint %s goes, so that the end of the run pages only if it should; "
+            "final_scrape_timeout=0 (or GRADMON_FINAL_SCRAPE_TIMEOUT=0) ends runs without waiting",
+            timeout, ", ".join(sorted(due)), ", ".join(f"{s.interval:.0f} s" for s in due.values()),
+            state, self.url)
+        deadline = now + timeout
+        with self.scraped:
+            # in short slices: a Ctrl-C must end the wait at once, not after ``timeout``
+            while any(s.answered <= changed_at for s in due.values()):
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    missing = sorted(p for p, s in due.items() if s.answered <= changed_at)
+                    log.warning("gradmon: %s did not scrape %s within final_scrape_timeout=%ss; "
+                                "Prometheus may not have seen the run state %r", ", ".join(missing),
+                                self.url, timeout, state)
                     return False
                 self.scraped.wait(min(left, 0.1))
-            return True
+        return True
 
     def changed(self) -> None:
         """A run state changed without a new snapshot: the next scrape must render anew."""
@@ -337,14 +407,31 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def release(ep: Endpoint, source_key: int) -> None:
+def release(ep: Endpoint, source_key: int, final: Optional[ExportView] = None,
+            final_scrape_timeout: float = 0.0) -> None:
     """Forget one monitor; the last one out stops the server and frees the port. Safe to
-    call again after it failed: a detach() that is retried must not count twice."""
+    call again after it failed: a detach() that is retried must not count twice.
+
+    With ``final`` (the monitor's view in its end state), the endpoint serves that view
+    until it closes, and the last monitor out waits (up to ``final_scrape_timeout``) for
+    the scrapers to see it: one wait per endpoint, however many models end together.
+    A KeyboardInterrupt during that wait ends the wait, not the release; it is re-raised."""
+    interrupted: Optional[BaseException] = None
     with _ENDPOINTS_LOCK:
-        ep.collector.remove(source_key)
+        last = ep.users <= {source_key}
+    if final is not None and last and ep.server is not None:
+        try:  # outside the lock: another model's attach() must not wait for it
+            ep.await_final_scrape(final_scrape_timeout, final.run_state)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    with _ENDPOINTS_LOCK:
         ep.users.discard(source_key)
+        if ep.users and final is not None:
+            ep.collector.retire(source_key, final)
+        else:
+            ep.collector.remove(source_key)
         if ep.users:
-            return
+            return _reraise(interrupted)
         _ENDPOINTS.pop(ep.key, None)
     if ep.server is not None:
         ep.server.close()
@@ -353,3 +440,18 @@ def release(ep: Endpoint, source_key: int) -> None:
             ep.registry.unregister(ep.collector)
         except KeyError:
             pass
+    _reraise(interrupted)
+
+
+def _reraise(exc: Optional[BaseException]) -> None:
+    if exc is not None:
+        raise exc
+
+
+def await_final_scrapes(timeout: float, state: str) -> None:
+    """Every served endpoint of this process waits for its final scrape (at SIGTERM,
+    where nothing is torn down: the signal ends the process right after)."""
+    for ep in list(_ENDPOINTS.values()):  # no lock: this may run in a signal handler
+        if ep.server is not None:
+            ep.changed()
+            ep.await_final_scrape(timeout, state)

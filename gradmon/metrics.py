@@ -30,8 +30,18 @@ FAMILY_GRAD_FLOW = "grad_flow"
 FAMILY_ACTIVATION = "activation"
 FAMILIES: Tuple[str, ...] = (FAMILY_GRAD, FAMILY_GRAD_FLOW, FAMILY_ACTIVATION)
 
-#: Run states exported by ``gradmon_run_state``.
-RUN_STATES: Tuple[str, ...] = ("training", "paused", "finished")
+#: Run states exported by ``gradmon_run_state``. The ends of a run: ``finished`` (detach,
+#: the end of a ``with`` block or of the script), ``failed`` (an exception or a non-zero
+#: ``sys.exit``; pages), ``interrupted`` (Ctrl-C), ``terminated`` (SIGTERM, with
+#: ``handle_sigterm``). A target that vanishes after any of them is not "down".
+STATE_TRAINING = "training"
+STATE_PAUSED = "paused"
+STATE_FINISHED = "finished"
+STATE_FAILED = "failed"
+STATE_INTERRUPTED = "interrupted"
+STATE_TERMINATED = "terminated"
+END_STATES: Tuple[str, ...] = (STATE_FINISHED, STATE_FAILED, STATE_INTERRUPTED, STATE_TERMINATED)
+RUN_STATES: Tuple[str, ...] = (STATE_TRAINING, STATE_PAUSED) + END_STATES
 
 #: Log-spaced buckets for the global-norm histogram: four per decade from 1e-8 to 1e8.
 #: A gauge holding the last value misses a one-step spike between two scrapes; this
@@ -97,7 +107,10 @@ INFO = _spec("info", "info-gauge", ("version", "torch_version", "world_size"),
 WORLD_SIZE = _spec("world_size", "gauge", (),
                    "Number of ranks in the job (torch.distributed or WORLD_SIZE), as a value so rules can compare against it.")
 RUN_STATE = _spec("run_state", "gauge", ("state",),
-                  "1 for the current run state (training, paused, finished), 0 for the others.")
+                  "1 for the current run state (training, paused, finished, failed, interrupted, terminated), "
+                  "0 for the others.")
+RUN_FAILURE_INFO = _spec("run_failure_info", "info-gauge", ("exception",),
+                         "Present (value 1) once the run state is failed: the exception's type name, never its message.")
 UNCOVERED_LAYERS = _spec("uncovered_layers", "gauge", ("family",),
                          "Monitored layers a family could not observe (e.g. a forward that never runs).")
 PROCESS_RESIDENT_MEMORY = _spec("process_resident_memory_bytes", "gauge", (),

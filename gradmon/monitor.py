@@ -18,6 +18,8 @@ from torch import nn
 
 from . import config as _config
 from . import exporter
+from . import metrics as M
+from . import run_end
 from .config import Config
 from .errors import ErrorLog
 from .hooks import HookSet, Recorder
@@ -60,7 +62,8 @@ class Monitor:
         self.rank = rank
         self.error: Optional[str] = None
         self._state = "disabled" if cfg.disable else "starting"
-        self._run_state = "training"
+        self._run_state = M.STATE_TRAINING
+        self._failure: Optional[str] = None  # the exception type name of a failed run
         self._model_ref: Optional[weakref.ref] = None
         self._layer_names: Tuple[str, ...] = ()
         self._hooks = HookSet()
@@ -112,14 +115,14 @@ class Monitor:
     def pause(self) -> None:
         """Mark the run as paused on purpose: stall alerts stay silent."""
         if self._state not in ("detached", "disabled"):
-            self._set_run_state("paused")
+            self._set_run_state(M.STATE_PAUSED)
 
     def resume(self) -> None:
         if self._state not in ("detached", "disabled"):
-            self._set_run_state("training")
+            self._set_run_state(M.STATE_TRAINING)
 
-    def _set_run_state(self, state: str) -> None:
-        self._run_state = state
+    def _set_run_state(self, state: str, failure: Optional[str] = None) -> None:
+        self._run_state, self._failure = state, failure
         if self._endpoint is not None:
             self._endpoint.changed()
 
@@ -134,17 +137,23 @@ class Monitor:
         return dict(self.snapshot().coverage)
 
     def detach(self) -> None:
-        """Remove every hook, stop the publisher and (last user) the HTTP server.
+        """End the run as "finished": remove every hook, stop the publisher and (last user)
+        the HTTP server, after the scrapers have seen the final state (final_scrape_timeout).
 
         Safe from any thread, including gradmon's own publisher thread (a "stop on NaN"
         ``on_nonfinite`` callback), and idempotent: each part of the teardown is undone
         once, and a part that failed is tried again by the next call. A Ctrl-C during the
         final-scrape wait ends the wait, not the teardown; it is re-raised afterwards."""
+        self._end(M.STATE_FINISHED, None)
+
+    def _end(self, state: str, failure: Optional[str]) -> None:
         with _LOCK:
             if self._state == "disabled" or (self._state == "detached" and not self._teardown_left()):
                 return
             first = self._state != "detached"
             self._state = "detached"
+        if first and self._pid == os.getpid():
+            self._set_run_state(state, failure)
         self._teardown(final_scrape=first)
 
     def _teardown_left(self) -> bool:
@@ -155,8 +164,7 @@ class Monitor:
         interrupted: Optional[BaseException] = None
         forked = self._pid != os.getpid()  # an inherited monitor: the parent owns the endpoint
         for part in (self._stop_measuring, self._stop_publisher,
-                     lambda: None if forked or not final_scrape else self._finish_run_state(),
-                     lambda: self._drop_endpoint(forked), self._forget):
+                     lambda: self._drop_endpoint(forked, final_scrape and not forked), self._forget):
             try:
                 part()
             except KeyboardInterrupt as exc:
@@ -182,10 +190,17 @@ class Monitor:
             _CARRIED[self._carry_key()] = (publisher.counters(), self._errors.counts(), self._overhead_at_detach)
             self._publisher = None
 
-    def _drop_endpoint(self, forked: bool) -> None:
+    def _drop_endpoint(self, forked: bool, final_scrape: bool) -> None:
+        """Leave the endpoint; at the end of a run, the final state stays served until the
+        scrapers have seen it (one wait per endpoint, by its last user)."""
         if self._endpoint is not None:
-            if not forked:
-                exporter.release(self._endpoint, id(self))  # if this fails, the next detach() retries it
+            if not forked:  # if this fails, the next detach() retries it
+                final = self._export_view() if final_scrape else None
+                try:
+                    exporter.release(self._endpoint, id(self), final, self.config.final_scrape_timeout)
+                except KeyboardInterrupt:
+                    self._endpoint = None  # it ended the wait; the endpoint is released all the same
+                    raise
             self._endpoint = None
 
     def _forget(self) -> None:
@@ -199,25 +214,18 @@ class Monitor:
     def _carry_key(self) -> Tuple[str, Tuple[Tuple[str, str], ...]]:
         return self.name, tuple(sorted(self._labels.items()))
 
-    def _finish_run_state(self) -> None:
-        """Set "finished" and let a scraping Prometheus see it once before the endpoint
-        goes. Runs outside the global lock: another model's attach() must not wait."""
-        endpoint = self._endpoint
-        self._set_run_state("finished")
-        # scrapes started before the change may render the old state: wait for one more answer
-        scrapes = endpoint.scrapes_started if endpoint is not None else 0
-        timeout = self.config.final_scrape_timeout
-        if endpoint is None or endpoint.port is None or not scrapes or timeout <= 0:
-            return
-        if not endpoint.wait_for_scrape(scrapes, timeout):
-            log.info("gradmon[%s]: no scrape within final_scrape_timeout=%ss after the run "
-                     "finished; Prometheus may not have seen the final state", self.name, timeout)
-
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.detach()
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        """The way the block is left decides the end state: an exception is "failed" (and
+        pages), Ctrl-C "interrupted", anything else "finished"."""
+        try:
+            self._end(*run_end.outcome(exc))
+        except KeyboardInterrupt:
+            if exc is None:
+                raise  # a Ctrl-C during the final-scrape wait, with nothing else in flight
+            # otherwise the exception that left the block propagates as it was
 
     def __repr__(self) -> str:
         return (f"<gradmon.Monitor model={self.name!r} rank={self.rank.rank} state={self._state} "
@@ -298,8 +306,9 @@ class Monitor:
         rec = self._recorder
         return exporter.ExportView(
             labels=self._labels, snapshot=self.snapshot(), errors=self._errors.counts(),
-            overhead_seconds=self._overhead_before + (rec.overhead if rec is not None else 0.0),
-            run_state=self._run_state,
+            overhead_seconds=self._overhead_before + rec.overhead if rec is not None else max(
+                self._overhead_at_detach, self._overhead_before),
+            run_state=self._run_state, failure=self._failure,
             info={"version": _version(), "torch_version": torch.__version__,
                   "world_size": str(self.rank.world_size)},
             reduced_per_layer=self._reduced_per_layer)
@@ -331,6 +340,22 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _live_monitors() -> "list[Monitor]":
+    return [mon for mon in list(_LIVE) if mon._state in ("running", "server_failed")]
+
+
+def _mark_all(state: str, failure: Optional[str]) -> None:
+    """Publish an end of the run now (an exception on its way to the top, a SIGTERM)."""
+    for mon in _live_monitors():
+        mon._set_run_state(state, failure)
+
+
+def _end_all(state: str, failure: Optional[str]) -> None:
+    """Interpreter exit: end every monitor still attached; each endpoint waits once."""
+    for mon in _live_monitors():
+        mon._end(state, failure)
 
 
 def attach(model: nn.Module, **options: Any) -> Monitor:
@@ -374,6 +399,8 @@ def attach(model: nn.Module, **options: Any) -> Monitor:
             raise
         _ATTACHED[inner] = mon
         _LIVE.add(mon)
+        run_end.install(_mark_all, _end_all, cfg.handle_sigterm,
+                        lambda: min(run_end.SIGTERM_GRACE_S, cfg.final_scrape_timeout))
     log.info("gradmon: monitoring %d layers of %s (rank %d)%s", len(mon.layers), name,
              mon.rank.rank, f", metrics at {mon.url}" if mon.url else "")
     return mon

@@ -159,8 +159,8 @@ class _Site:
     path: str
     render: Render
     auth: Optional[bytes]  # the expected Authorization header, or None
-    on_scrape_start: Callable[[], None]
-    on_scrape: Callable[[], None]
+    on_scrape_start: Callable[[str], object]  # the scraper's address -> a token for on_scrape
+    on_scrape: Callable[[object], None]
     pages: Dict[str, _Page] = field(default_factory=dict)
 
 
@@ -402,8 +402,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _metrics(self) -> None:
         site = self.server.site
         scrape = self.command == "GET"  # a HEAD (a probe, a curl -I) is not a scrape
+        token = None
         if scrape:
-            site.on_scrape_start()  # before rendering: a scrape that starts later renders newer state
+            # before rendering: a scrape that starts later renders newer state. The peer's
+            # host, not its port: a scraper's connections come from changing ports.
+            token = site.on_scrape_start(self.client_address[0])
         body = site.render()
         headers: List[Tuple[str, str]] = [("Vary", "Accept-Encoding")]
         if accepts_gzip(", ".join(self.headers.get_all("Accept-Encoding", []))):
@@ -411,7 +414,7 @@ class _Handler(BaseHTTPRequestHandler):
             headers.append(("Content-Encoding", "gzip"))
         self._send(200, body, CONTENT_TYPE_LATEST, tuple(headers))
         if scrape:
-            site.on_scrape()  # after the last byte: the scraper has it
+            site.on_scrape(token)  # after the last byte: the scraper has it
 
 
 class MetricsServer:
@@ -426,8 +429,8 @@ class MetricsServer:
                  tls: Optional[Callable[[], ssl.SSLContext]] = None,
                  basic_auth: Optional[Tuple[str, str]] = None,
                  connection_timeout: float = 10.0, max_connections: int = 64,
-                 on_scrape: Callable[[], None] = lambda: None,
-                 on_scrape_start: Callable[[], None] = lambda: None) -> None:
+                 on_scrape: Callable[[object], None] = lambda token: None,
+                 on_scrape_start: Callable[[str], object] = lambda peer: None) -> None:
         auth = None
         if basic_auth is not None:
             auth = b"Basic " + base64.b64encode(f"{basic_auth[0]}:{basic_auth[1]}".encode())

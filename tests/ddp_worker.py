@@ -128,3 +128,24 @@ def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: i
 
 def fsdp_batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def run_until_one_rank_raises(rank: int, world: int, master_port: int, gradmon_port: int, seconds: float,
+                              raise_rank: int) -> None:
+    """A torchrun-style worker with the one-line attach: rank ``raise_rank`` raises after ``seconds``."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world)
+    import gradmon
+
+    model = DDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gradmon.attach(model, port=gradmon_port, addr="127.0.0.1")
+    deadline = time.monotonic() + seconds
+    step = 0
+    while True:
+        if rank == raise_rank and time.monotonic() > deadline:
+            raise ValueError("a bad batch on one rank")
+        train_step(model, opt, rank, step)
+        step += 1
+        time.sleep(0.02)

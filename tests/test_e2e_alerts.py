@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from gradmon import alerting
-from servers import Alertmanager, Prometheus, Webhook, free_port, grafana_substitute
+from servers import Alertmanager, Prometheus, Webhook, binary, free_port, grafana_substitute
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,11 @@ SCENARIOS = {
     "vanish": (["--fault", "vanish@300:blocks.0.fc1"], ("GradmonVanishingGradients", {"layer": "blocks.0.fc1"}), 300),
     "stall": (["--stall-at", "200"], ("GradmonTrainingStalled", {}), 200),
     "kill": ([], ("GradmonExporterDown", {}), None),
+    # how a run ends (tests/run_end_script.py): a script that just ends, one that raises in `with`
+    "noexit": (["script", "end", "12"], None, None),
+    "raise": (["script", "raise_in_with", "12"], ("GradmonRunFailed", {"exception": "ValueError"}), None),
 }
+SCRIPT = Path(__file__).resolve().parent / "run_end_script.py"
 KILL_AFTER_S = 20
 RUN_S = 75
 
@@ -60,12 +64,15 @@ def stack(tmp_path_factory):
     try:
         for job, (args, _, _) in SCENARIOS.items():
             ports[job] = free_port()
-            demos[job] = subprocess.Popen(
-                [sys.executable, "-m", "gradmon", "demo", "--port", str(ports[job]), "--addr", "127.0.0.1",
-                 "--step-delay", "0.05", "--log-every", "0", "--steps", "100000", *args],
-                stdout=open(work / f"{job}.log", "w"), stderr=subprocess.STDOUT, env=env)
+            if args[:1] == ["script"]:
+                command = [sys.executable, str(SCRIPT), args[1], str(ports[job]), args[2]]
+            else:
+                command = [sys.executable, "-m", "gradmon", "demo", "--port", str(ports[job]), "--addr", "127.0.0.1",
+                           "--step-delay", "0.05", "--log-every", "0", "--steps", "100000", *args]
+            demos[job] = subprocess.Popen(command, stdout=open(work / f"{job}.log", "w"), stderr=subprocess.STDOUT,
+                                          env=env)
         prom.set_targets([{"targets": [f"127.0.0.1:{p}"], "labels": {"job": job}} for job, p in ports.items()])
-        yield prom, hook, demos, work
+        yield prom, hook, demos, work, am
     finally:
         for proc in demos.values():
             if proc.poll() is None:
@@ -83,7 +90,7 @@ def first_time(prom: Prometheus, expr: str, start: float, end: float) -> float:
 
 @pytest.fixture(scope="module")
 def outcome(stack):
-    prom, hook, demos, work = stack
+    prom, hook, demos, work, _ = stack
     start = time.time()
     wanted = {job: spec for job, (_, spec, _) in SCENARIOS.items() if spec}
     got: Dict[str, dict] = {}
@@ -107,6 +114,8 @@ def outcome(stack):
         step = SCENARIOS[job][2]
         if job == "kill":
             t0 = killed
+        elif job == "raise":
+            t0 = first_time(prom, 'gradmon_run_state{job="raise", state="failed"} == 1', start - 5, time.time())
         elif job == "stall":  # the fault is the absence of steps: from the last step on
             t0 = first_time(prom, f'gradmon_steps_total{{job="stall"}} >= {step}', start - 5, time.time())
         else:
@@ -130,14 +139,35 @@ def test_fault_reaches_the_webhook_through_alertmanager(outcome, job):
     assert latency[job] < 30
 
 
-@pytest.mark.parametrize("job", ["healthy", "finish"])
+@pytest.mark.parametrize("job", ["healthy", "finish", "noexit"])
 def test_healthy_and_finished_runs_never_page(outcome, job):
     _, _, received = outcome
     assert not [a["labels"]["alertname"] for a in received if a["labels"].get("job") == job]
 
 
+@pytest.mark.parametrize("job", ["raise", "kill"])
+def test_a_run_that_ends_badly_pages_only_its_own_alert(outcome, job):
+    _, _, received = outcome
+    assert {a["labels"]["alertname"] for a in received if a["labels"].get("job") == job} == {SCENARIOS[job][1][0]}
+
+
+def test_a_failed_job_pages_once_and_silences_its_other_ranks(stack, outcome):
+    """Through the real Alertmanager with gradmon's config: two ranks of one job failing are
+    one notification; the ranks torchrun then kills (ExporterDown) page not at all."""
+    _, hook, _, _, am = stack
+    amtool = binary("amtool")
+    for name, rank in (("GradmonRunFailed", "0"), ("GradmonRunFailed", "1"), ("GradmonExporterDown", "2"),
+                       ("GradmonRanksMissing", "")):
+        labels = [f"alertname={name}", "job=torchrun-job", "severity=critical"] + ([f"rank={rank}"] if rank else [])
+        subprocess.run([amtool, "alert", "add", *labels, f"--alertmanager.url={am.url}"], check=True, capture_output=True)
+    time.sleep(5)  # group_wait and group_interval are 1 s here
+    mine = [n for n in hook.received if n.get("groupLabels", {}).get("job") == "torchrun-job"]
+    assert [n["groupLabels"]["alertname"] for n in mine] == ["GradmonRunFailed"]
+    assert {a["labels"]["rank"] for a in mine[0]["alerts"]} == {"0", "1"}
+
+
 def test_nan_pages_once_per_job_not_once_per_layer(stack, outcome):
-    _, hook, _, _ = stack
+    _, hook, _, _, _ = stack
     notifications = [n for n in hook.received if n.get("groupLabels", {}).get("alertname") == "GradmonNonFiniteGradients"
                      and n["groupLabels"].get("job") == "nan"]
     assert notifications and all(len({a["fingerprint"] for a in n["alerts"]}) >= 1 for n in notifications)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 import weakref
@@ -276,15 +277,35 @@ def test_process_metrics_do_not_collide_with_prometheus_client_process_collector
     assert "\nprocess_resident_memory_bytes" in body
 
 
+def scrape_from(url: str, source: str = "127.0.0.1"):
+    """One GET of ``url`` from the loopback address ``source`` (a second Prometheus of an HA pair)."""
+    import http.client
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=5, source_address=(source, 0))
+    try:
+        conn.request("GET", u.path)
+        return parse(conn.getresponse().read().decode())
+    finally:
+        conn.close()
+
+
+def detach_in_background(mon) -> threading.Event:
+    done = threading.Event()
+    threading.Thread(target=lambda: (mon.detach(), done.set()), daemon=True).start()
+    return done
+
+
 def test_finished_state_survives_one_last_scrape_after_detach():
     model = mlp()
     mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=20)
     train(model, 1)
     url = mon.url
-    assert value(scrape(url), "gradmon_run_state", state="training") == 1
-    done = threading.Event()
-    threading.Thread(target=lambda: (mon.detach(), done.set()), daemon=True).start()
-    assert not done.wait(0.5)  # detach waits for the final scrape...
+    scrape(url)
+    time.sleep(0.3)
+    assert value(scrape(url), "gradmon_run_state", state="training") == 1  # scraped periodically
+    done = detach_in_background(mon)
+    assert not done.wait(0.3)  # detach waits for the final scrape...
     s = scrape(url)
     assert value(s, "gradmon_run_state", state="finished") == 1
     assert value(s, "gradmon_run_state", state="training") == 0
@@ -294,12 +315,111 @@ def test_finished_state_survives_one_last_scrape_after_detach():
 
 
 def test_detach_does_not_wait_when_nobody_ever_scraped():
-    import time
     model = mlp()
     mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=20)
     t0 = time.monotonic()
     mon.detach()
     assert time.monotonic() - t0 < 5
+
+
+def test_detach_after_a_single_scrape_returns_at_once():
+    model = mlp()
+    mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=20)
+    scrape(mon.url)  # one curl during development is not a Prometheus
+    t0 = time.monotonic()
+    mon.detach()
+    assert time.monotonic() - t0 < 1
+
+
+def test_final_scrape_waits_for_each_scraper_of_an_ha_pair():
+    mon = gradmon.attach(mlp(), port=0, addr="127.0.0.1", final_scrape_timeout=20)
+    url = mon.url
+    for _ in range(2):
+        scrape_from(url, "127.0.0.1")
+        scrape_from(url, "127.0.0.2")
+        time.sleep(0.5)
+    done = detach_in_background(mon)
+    assert value(scrape_from(url, "127.0.0.1"), "gradmon_run_state", state="finished") == 1
+    assert not done.wait(0.5)  # the other Prometheus has not seen it yet
+    scrape_from(url, "127.0.0.2")
+    assert done.wait(5)
+
+
+def test_several_models_on_one_endpoint_wait_once():
+    a = gradmon.attach(mlp(), name="a", port=0, addr="127.0.0.1", final_scrape_timeout=20)
+    b = gradmon.attach(mlp(), name="b", port=0, addr="127.0.0.1", final_scrape_timeout=20)
+    url = a.url
+    scrape(url)
+    time.sleep(0.3)
+    scrape(url)
+    t0 = time.monotonic()
+    a.detach()  # not the last one out: no wait, its final state stays served
+    assert time.monotonic() - t0 < 1
+    s = scrape(url)
+    assert value(s, "gradmon_run_state", model="a", state="finished") == 1
+    assert value(s, "gradmon_run_state", model="b", state="training") == 1
+    done = detach_in_background(b)
+    assert not done.wait(0.3)
+    s = scrape(url)
+    assert value(s, "gradmon_run_state", model="a", state="finished") == 1
+    assert value(s, "gradmon_run_state", model="b", state="finished") == 1
+    assert done.wait(5)
+
+
+def test_a_long_final_scrape_wait_is_announced_with_how_to_turn_it_off(caplog):
+    mon = gradmon.attach(mlp(), port=0, addr="127.0.0.1", final_scrape_timeout=4)
+    scrape(mon.url)
+    time.sleep(2.2)  # a scrape interval above 2 s
+    scrape(mon.url)
+    done = detach_in_background(mon)
+    t0 = time.monotonic()
+    while "waiting up to" not in caplog.text and time.monotonic() - t0 < 2:
+        time.sleep(0.05)
+    assert not done.is_set()  # said before the wait, not after it
+    message = [r for r in caplog.records if "waiting up to" in r.getMessage()][0]
+    assert message.levelname == "WARNING"
+    assert "127.0.0.1" in message.getMessage() and "GRADMON_FINAL_SCRAPE_TIMEOUT=0" in message.getMessage()
+    scrape(mon.url)
+    assert done.wait(5)
+
+
+def periodically_scraped(**options):
+    mon = gradmon.attach(mlp(), port=0, addr="127.0.0.1", final_scrape_timeout=20, **options)
+    scrape(mon.url)
+    time.sleep(0.3)
+    scrape(mon.url)
+    return mon
+
+
+def ctrl_c_after(seconds: float) -> None:
+    import os
+    import signal
+    threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+
+
+def test_ctrl_c_ends_the_final_scrape_wait_at_once_and_still_frees_the_port():
+    mon = periodically_scraped()
+    port = mon.port
+    ctrl_c_after(0.3)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        mon.detach()
+    assert time.monotonic() - t0 < 2
+    assert mon.state == "detached"
+    with socket.socket() as s:
+        # as any server would: the scrapes' closed connections may linger in TIME_WAIT
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))  # fails while anything still listens on it
+
+
+def test_ctrl_c_during_the_wait_leaves_the_users_exception_as_it_was():
+    mon = periodically_scraped()
+    ctrl_c_after(0.3)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="the user's"):
+        with mon:
+            raise ValueError("the user's")
+    assert time.monotonic() - t0 < 2
 
 
 def test_pause_and_resume_set_the_run_state(attach):

@@ -96,6 +96,28 @@ CASES = {
     "no_exporter_down_after_a_normal_finish": (
         [series("gradmon_steps_total", "1+1x10 _x20", rank="0"), run_state("finished", "0x9 1 _x20", rank="0")],
         [alert("GradmonExporterDown", "20m"), alert("GradmonRanksMissing", "20m")]),
+    "run_failed_fires_naming_the_exception_after_one_scrape_of_the_failed_state": (
+        [series("gradmon_steps_total", "1+1x5 _x20", rank="0"), run_state("training", "1x4 0 _x20"),
+         run_state("failed", "0x4 1 _x20"), series("gradmon_run_failure_info", "_x4 1 _x20", rank="0", exception="ValueError")],
+        [alert("GradmonRunFailed", "12m", ("critical", target(rank="0", exception="ValueError"))),
+         alert("GradmonExporterDown", "12m")]),
+    "run_failed_silent_after_a_finish": (
+        [series("gradmon_steps_total", "1+1x5 _x20", rank="0"), run_state("failed", "0x5 _x20"),
+         run_state("finished", "0x4 1 _x20")],
+        [alert("GradmonRunFailed", "12m")]),
+    "run_failed_silent_after_ctrl_c_and_no_exporter_down_either": (
+        [series("gradmon_steps_total", "1+1x5 _x20", rank="0"), run_state("failed", "0x5 _x20"),
+         run_state("interrupted", "0x4 1 _x20")],
+        [alert("GradmonRunFailed", "12m"), alert("GradmonExporterDown", "12m")]),
+    "no_exporter_down_after_a_sigterm_published_terminated": (
+        [series("gradmon_steps_total", "1+1x5 _x20", rank="0"), run_state("terminated", "0x4 1 _x20")],
+        [alert("GradmonExporterDown", "12m"), alert("GradmonRanksMissing", "12m")]),
+    "run_failed_clears_when_the_target_trains_again_and_stays_clear_when_that_run_finishes": (
+        [run_state("failed", "0x4 1x3 0x20", rank="0"), run_state("training", "1x4 0x3 1x10 0x10", rank="0"),
+         run_state("finished", "0x17 1x10", rank="0"),
+         series("gradmon_run_failure_info", "_x4 1x3 _x20", rank="0", exception="ValueError")],
+        [alert("GradmonRunFailed", "6m", ("critical", target(rank="0", exception="ValueError"))),
+         alert("GradmonRunFailed", "10m"), alert("GradmonRunFailed", "20m")]),
     "ranks_missing_when_fewer_report_than_the_world_size": (
         [series("gradmon_world_size", "4x20", rank="0"), series("gradmon_world_size", "4x20", rank="1"),
          series("gradmon_steps_total", "1+1x20", rank="0"), series("gradmon_steps_total", "1+1x20", rank="1")],
@@ -184,6 +206,10 @@ def test_alertmanager_config_is_valid_and_inhibits_the_consequences_of_one_fault
     inhibit = {r["source_matchers"][0]: r["target_matchers"][0] for r in cfg["inhibit_rules"]}
     assert "GradmonGradientExplosion" in inhibit["alertname = GradmonNonFiniteGradients"]
     assert "GradmonTrainingStalled" in inhibit["alertname = GradmonExporterDown"]
+    failed = [r for r in cfg["inhibit_rules"] if r["source_matchers"] == ["alertname = GradmonRunFailed"]]
+    assert failed and failed[0]["equal"] == ["job"]  # job-wide: the other ranks of the failed job
+    for consequence in ("GradmonExporterDown", "GradmonRanksMissing", "GradmonTrainingStalled"):
+        assert consequence in failed[0]["target_matchers"][0]
 
 
 def test_grafana_managed_alerts_match_the_prometheus_rules():

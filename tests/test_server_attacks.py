@@ -430,7 +430,7 @@ def test_keep_alive_responses_do_not_wait_for_delayed_acks(serve):
 
 def test_head_is_not_a_scrape_and_get_is(serve):
     scrapes: List[int] = []
-    server = serve(on_scrape=lambda: scrapes.append(1))
+    server = serve(on_scrape=lambda token: scrapes.append(1))
     head = get(server.port, method="HEAD")
     assert head.status == 200 and head.body == b"" and head.getheader("Content-Length") == str(len(BODY))
     assert get(server.port, "/healthz").status == 200
