@@ -55,7 +55,7 @@ def test_no_trainable_parameters_is_a_value_error():
 
 
 @pytest.mark.parametrize("options, option", [
-    ({"every": -1}, "every"), ({"every": 0}, "every"), ({"detail_every": 1.5}, "detail_every"),
+    ({"every": -1}, "every"), ({"every": 0}, "every"), ({"detail_every": 0}, "detail_every"),
     ({"port": 70000}, "port"), ({"port": -1}, "port"), ({"addr": "not an address"}, "addr"),
     ({"labels": {"model": "x"}}, "labels"), ({"labels": {"bad-name": "x"}}, "labels"),
     ({"include": [""]}, "include"),
