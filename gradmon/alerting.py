@@ -147,7 +147,7 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
     where = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"
     return [
         Alert("GradmonNonFiniteGradients", "critical", "NaN/Inf gradients",
-              "{{ $value }} NaN/Inf elements in the {{ $labels.tensor }} of layer {{ $labels.layer }} "
+              "{{ $value | humanize }} NaN/Inf elements in the {{ $labels.tensor }} of layer {{ $labels.layer }} "
               f"({where}) in the last {dur(t.nonfinite_window)}.",
               f"sum by ({TARGET}, layer, tensor) (increase(gradmon_nonfinite_total{{tensor=~\"grad|grad_flow\"}}[{dur(t.nonfinite_window)}])) > 0\n"
               f"or\n"

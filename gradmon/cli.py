@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="gradmon", description="Gradient-health monitor for PyTorch training jobs.")
+    parser = argparse.ArgumentParser(
+        prog="gradmon", description="Gradient-health monitor for PyTorch training jobs.",
+        epilog="Start with `gradmon demo` (options: `gradmon demo --help`). In your own training script: "
+               "`import gradmon; gradmon.attach(model)`.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument("command", nargs="?", choices=["demo"], help="demo: train a small model with gradmon attached")
     known, rest = parser.parse_known_args(argv[:1] if argv and argv[0] == "demo" else argv)
@@ -19,6 +23,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(__version__)
         return 0
     if known.command == "demo":
+        # torch warns at import when NumPy is missing; nothing gradmon or the demo does needs it
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
         from . import demo
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         return demo.run(argv[1:])

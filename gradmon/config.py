@@ -7,17 +7,17 @@ reconfigured (or switched off with ``GRADMON_DISABLE=1``) without a code change.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import ipaddress
+import math
 import os
+import re
+import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, Union
 
 LayerType = Union[str, type]
-
-_LABEL_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
-_RESERVED_LABELS = {"model", "rank", "layer", "tensor", "kind", "stage", "state", "family",
-                    "device", "version", "torch_version", "world_size", "le", "job", "instance"}
 
 
 @dataclass(frozen=True)
@@ -153,15 +153,101 @@ class Config:
         _validate(self)
 
 
+# --- checking values ---------------------------------------------------------------
+# Types are checked from the field annotations above, so a new option is type-checked by
+# declaring it; only the checks a type cannot express (ranges, files, pairs) are written out.
+
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+
+#: How a wrong value is corrected, where the type alone does not say it.
+_EXAMPLES: Dict[str, str] = {
+    "labels": "{'run_id': 'exp-42'}",
+    "include": "['blocks.*']",
+    "exclude": "['*.norm']",
+    "layer_types": "[nn.Linear, 'LayerNorm']",
+}
+
+
+class _OptionError:
+    """Marks an error with the option it is about, so that ``resolve`` can name the
+    environment variable that set the option (the same check serves code and env)."""
+
+    @staticmethod
+    def raise_(kind: type, option: str, detail: str) -> None:
+        exc = kind(f"gradmon: option {option!r} {detail}")
+        exc.gradmon_option = option  # type: ignore[attr-defined]
+        exc.gradmon_detail = detail  # type: ignore[attr-defined]
+        raise exc
+
+
 def _fail(option: str, message: str) -> None:
-    raise ValueError(f"gradmon: option {option!r} {message}")
+    _OptionError.raise_(ValueError, option, message)
+
+
+def _reserved_labels() -> FrozenSet[str]:
+    from . import metrics as M
+    # le is the histogram's; Prometheus itself sets job and instance at scrape time
+    return frozenset(M.BASE_LABELS) | {label for spec in M.ALL_SPECS for label in spec.labels} | {
+        "le", "job", "instance"}
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:  # True is an int to Python, never a step count or a port
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is Union:
+        return any(_conforms(value, arg) for arg in args)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_conforms(v, args[0]) for v in value)
+    if origin in (Mapping, collections.abc.Mapping):
+        return isinstance(value, collections.abc.Mapping) and all(
+            _conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items())
+    if origin in (Callable, collections.abc.Callable):
+        return callable(value)
+    return isinstance(value, hint)
+
+
+def _expected(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return "True or False"
+    if origin is Union:
+        return " or ".join(_expected(arg) for arg in args)
+    if origin is tuple:
+        return f"a list of items that are each {_expected(args[0])}"
+    if origin in (Mapping, collections.abc.Mapping):
+        return f"a dict of {args[0].__name__} keys to {args[1].__name__} values"
+    if origin in (Callable, collections.abc.Callable):
+        return "a callable"
+    return {int: "an integer", float: "a number", str: "a string", type: "a class",
+            type(None): "None"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _check_types(cfg: Config) -> None:
+    for name, hint in _HINTS.items():
+        value = getattr(cfg, name)
+        if not _conforms(value, hint):
+            example = f", e.g. {_EXAMPLES[name]}" if name in _EXAMPLES else ""
+            shown = "<hidden>" if not _FIELDS[name].repr else repr(value)
+            _OptionError.raise_(TypeError, name, f"must be {_expected(hint)}{example}; "
+                                                 f"got {shown} ({type(value).__name__})")
+
+
+def _in_range(cfg: Config, name: str, low: float, high: float, what: str) -> None:
+    value = getattr(cfg, name)
+    if not low <= value <= high:
+        _fail(name, f"must be {what}, got {value!r}")
 
 
 def _validate(cfg: Config) -> None:
-    if not isinstance(cfg.port, int) or isinstance(cfg.port, bool) or not 0 <= cfg.port <= 65535:
-        _fail("port", f"must be an integer in 0..65535 (0 picks a free port), got {cfg.port!r}")
-    if not isinstance(cfg.addr, str):  # ip_address() would take an int such as 2130706433
-        _fail("addr", f"must be a string IP address such as '0.0.0.0' or '127.0.0.1', got {cfg.addr!r}")
+    _check_types(cfg)  # everything below may rely on the declared types
+    _in_range(cfg, "port", 0, 65535, "in 0..65535 (0 picks a free port)")
     try:
         ipaddress.ip_address(cfg.addr)
     except ValueError:
@@ -176,55 +262,44 @@ def _validate(cfg: Config) -> None:
     if (cfg.basic_auth_user is None) != (cfg.basic_auth_password is None):
         _fail("basic_auth_user", "and basic_auth_password must be set together")
     for name in ("basic_auth_user", "basic_auth_password", "tls_key_password"):
-        value = getattr(cfg, name)
-        if value is not None and (not isinstance(value, str) or not value):
+        if getattr(cfg, name) == "":
             # an empty user or password would otherwise turn authentication off
             _fail(name, "must be a non-empty string (leave both basic_auth options unset to serve without auth)")
     if cfg.basic_auth_user is not None and ":" in cfg.basic_auth_user:
         _fail("basic_auth_user", "must not contain ':' (HTTP basic auth separates user and password with it)")
     if cfg.tls_key_password is not None and not cfg.tls_certfile:
         _fail("tls_certfile", "is required when tls_key_password is set")
-    if not isinstance(cfg.connection_timeout, (int, float)) or isinstance(cfg.connection_timeout, bool) \
-            or not 0.5 <= cfg.connection_timeout <= 300:
-        _fail("connection_timeout", f"must be a number of seconds in 0.5..300, got {cfg.connection_timeout!r}")
-    if not isinstance(cfg.max_connections, int) or isinstance(cfg.max_connections, bool) \
-            or not 4 <= cfg.max_connections <= 1024:
-        _fail("max_connections", f"must be an integer in 4..1024, got {cfg.max_connections!r}")
+    _in_range(cfg, "connection_timeout", 0.5, 300, "a number of seconds in 0.5..300")
+    _in_range(cfg, "max_connections", 4, 1024, "an integer in 4..1024")
     for name in ("every", "detail_every"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            _fail(name, f"must be a positive integer number of optimizer steps, got {value!r}")
+        _in_range(cfg, name, 1, math.inf, "a positive integer number of optimizer steps")
     for name in ("include", "exclude"):
-        value = getattr(cfg, name)
-        if not all(isinstance(p, str) and p for p in value):
-            _fail(name, f"must be a sequence of non-empty glob patterns, got {value!r}")
-    for t in cfg.layer_types:
-        if not (isinstance(t, str) and t) and not (isinstance(t, type)):
-            _fail("layer_types", f"entries must be module classes or class names, got {t!r}")
-    for k, v in cfg.labels.items():
-        if not isinstance(k, str) or not k or k[0].isdigit() or not set(k) <= _LABEL_NAME_OK or k.startswith("__"):
-            _fail("labels", f"key {k!r} is not a valid Prometheus label name")
-        if k in _RESERVED_LABELS:
-            _fail("labels", f"key {k!r} is used by gradmon itself; choose another name")
-        if not isinstance(v, str):
-            _fail("labels", f"value of {k!r} must be a string, got {type(v).__name__}")
-    if not isinstance(cfg.final_scrape_timeout, (int, float)) or isinstance(cfg.final_scrape_timeout, bool) \
-            or not 0 <= cfg.final_scrape_timeout <= 3600:
-        _fail("final_scrape_timeout", f"must be a number of seconds in 0..3600, got {cfg.final_scrape_timeout!r}")
-    if not isinstance(cfg.handle_sigterm, bool):
-        _fail("handle_sigterm", f"must be True or False, got {cfg.handle_sigterm!r}")
-    if not isinstance(cfg.series_budget, int) or isinstance(cfg.series_budget, bool) or cfg.series_budget < 20:
-        _fail("series_budget", f"must be an integer of at least 20 series, got {cfg.series_budget!r}")
-    if cfg.on_nonfinite is not None and not callable(cfg.on_nonfinite):
-        _fail("on_nonfinite", f"must be callable (it receives a NonFiniteIncident), got {cfg.on_nonfinite!r}")
+        if not all(getattr(cfg, name)):
+            _fail(name, f"must not contain an empty pattern, got {getattr(cfg, name)!r}")
+    if not all(cfg.layer_types):
+        _fail("layer_types", f"must not contain an empty class name, got {cfg.layer_types!r}")
+    reserved = _reserved_labels()
+    for k in cfg.labels:
+        if not _LABEL_NAME.match(k) or k.startswith("__"):
+            _fail("labels", f"key {k!r} is not a valid Prometheus label name "
+                            "([a-zA-Z_][a-zA-Z0-9_]*, not starting with '__')")
+        if k in reserved:
+            _fail("labels", f"key {k!r} is used by gradmon or Prometheus itself "
+                            f"({', '.join(sorted(reserved))}); choose another name")
+    _in_range(cfg, "final_scrape_timeout", 0, 3600, "a number of seconds in 0..3600")
+    _in_range(cfg, "series_budget", 20, math.inf, "an integer of at least 20 series")
     if cfg.scaler is not None:
         from .amp import is_scaler
         if not is_scaler(cfg.scaler):
             _fail("scaler", f"must be a torch.amp.GradScaler, got {type(cfg.scaler).__name__}")
-    if cfg.name is not None and (not isinstance(cfg.name, str) or not cfg.name):
-        _fail("name", f"must be a non-empty string, got {cfg.name!r}")
+    if cfg.name is not None and not cfg.name:
+        _fail("name", "must be a non-empty string or None (the model's class name)")
     if cfg.registry is not None and not hasattr(cfg.registry, "register"):
         _fail("registry", "must be a prometheus_client.CollectorRegistry (or None to serve /metrics)")
+
+
+_FIELDS = {f.name: f for f in fields(Config)}
+_HINTS: Dict[str, Any] = typing.get_type_hints(Config)
 
 
 # --- environment overrides ---------------------------------------------------------
@@ -234,76 +309,74 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def _parse_bool(name: str, raw: str) -> bool:
+def _parse_bool(raw: str) -> bool:
     low = raw.strip().lower()
     if low in _TRUE:
         return True
     if low in _FALSE:
         return False
-    raise ValueError(f"gradmon: environment variable {name}={raw!r} must be one of 1/0/true/false")
+    raise ValueError("must be one of 1/0, true/false, yes/no, on/off")
 
 
-def _parse_int(name: str, raw: str) -> int:
+def _parse_int(raw: str) -> int:
     try:
         return int(raw.strip())
     except ValueError:
-        raise ValueError(f"gradmon: environment variable {name}={raw!r} must be an integer") from None
+        raise ValueError("must be an integer") from None
 
 
-def _parse_float(name: str, raw: str) -> float:
+def _parse_float(raw: str) -> float:
     try:
         return float(raw.strip())
     except ValueError:
-        raise ValueError(f"gradmon: environment variable {name}={raw!r} must be a number") from None
+        raise ValueError("must be a number") from None
 
 
-def _parse_list(name: str, raw: str) -> Tuple[str, ...]:
+def _parse_list(raw: str) -> Tuple[str, ...]:
     return tuple(p.strip() for p in raw.split(",") if p.strip())
 
 
-def _parse_labels(name: str, raw: str) -> Dict[str, str]:
+def _parse_labels(raw: str) -> Dict[str, str]:
     out: Dict[str, str] = {}
-    for item in _parse_list(name, raw):
+    for item in _parse_list(raw):
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"gradmon: environment variable {name} wants key=value pairs, got {item!r}")
+            raise ValueError(f"must be comma-separated key=value pairs, got {item!r}")
         out[key.strip()] = value.strip()
     return out
 
 
-_ENV_PARSERS: Dict[str, Callable[[str, str], Any]] = {
-    "port": _parse_int,
-    "addr": lambda n, r: r.strip(),
-    "tls_certfile": lambda n, r: r.strip() or None,
-    "tls_keyfile": lambda n, r: r.strip() or None,
-    "tls_client_cafile": lambda n, r: r.strip() or None,
-    # kept as given, even empty: an empty credential is the same error from code and env
-    "basic_auth_user": lambda n, r: r.strip(),
-    "basic_auth_password": lambda n, r: r,
-    "tls_key_password": lambda n, r: r,
-    "connection_timeout": _parse_float,
-    "max_connections": _parse_int,
-    "port_offset_by_local_rank": _parse_bool,
-    "every": _parse_int,
-    "detail_every": _parse_int,
-    "include": _parse_list,
-    "exclude": _parse_list,
-    "layer_types": _parse_list,
-    "activations": _parse_bool,
-    "grad_flow": _parse_bool,
-    "local_view": _parse_bool,
-    "labels": _parse_labels,
-    "name": lambda n, r: r.strip() or None,
-    "disable": _parse_bool,
-    "series_budget": _parse_int,
-    "final_scrape_timeout": _parse_float,
-    "handle_sigterm": _parse_bool,
-    "log_every_incident": _parse_bool,
-}
+def _parser_for(hint: Any) -> Optional[Callable[[str], Any]]:
+    """How an environment variable's text becomes a value of this field type; None for
+    fields that only code can set (callables, objects)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Union and type(None) in args:  # Optional[X]: empty text means None
+        inner = _parser_for(next(a for a in args if a is not type(None)))
+        if inner is None:
+            return None
+        return inner if inner is _parse_bool else (lambda raw: inner(raw) if raw.strip() else None)
+    if origin is tuple:
+        return _parse_list
+    if origin in (Mapping, collections.abc.Mapping):
+        return _parse_labels
+    return {bool: _parse_bool, int: _parse_int, float: _parse_float, str: lambda raw: raw.strip()}.get(hint)
+
+
+# Credentials are kept exactly as given, even empty: an empty one is the same error from
+# code and environment, never a silent "no authentication".
+_VERBATIM = ("basic_auth_user", "basic_auth_password", "tls_key_password")
+_ENV_PARSERS: Dict[str, Callable[[str], Any]] = {
+    name: (lambda raw: raw) if name in _VERBATIM else parser
+    for name, parser in ((n, _parser_for(h)) for n, h in _HINTS.items()) if parser is not None}
 
 
 def env_var(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
+
+
+def _shown(name: str, raw: str) -> str:
+    """``GRADMON_X=value`` as an error message shows it; secrets are never echoed."""
+    return f"{env_var(name)}={raw if _FIELDS[name].repr else '<hidden>'}"
 
 
 def env_overrides(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -313,13 +386,17 @@ def env_overrides(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]
     for fname, parse in _ENV_PARSERS.items():
         var = env_var(fname)
         if var in environ:
-            out[fname] = parse(var, environ[var])
+            try:
+                out[fname] = parse(environ[var])
+            except ValueError as exc:
+                raise ValueError(f"gradmon: {_shown(fname, environ[var])}: {exc}") from None
     return out
 
 
 def resolve(options: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None) -> Config:
     """Build the Config for ``attach(**options)``: defaults < options < environment."""
-    known = {f.name for f in fields(Config)}
+    environ = os.environ if environ is None else environ
+    known = set(_FIELDS)
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(
@@ -328,12 +405,21 @@ def resolve(options: Mapping[str, Any], environ: Optional[Mapping[str, str]] = N
     for key in ("include", "exclude", "layer_types"):
         if key in merged and isinstance(merged[key], (str, type)):
             merged[key] = (merged[key],)
-        if key in merged:
+        if isinstance(merged.get(key), (list, set, frozenset)):
             merged[key] = tuple(merged[key])
     if "labels" in merged and merged["labels"] is None:
         merged["labels"] = {}
-    merged.update(env_overrides(environ))
-    return Config(**merged)
+    from_env = env_overrides(environ)
+    merged.update(from_env)
+    try:
+        return Config(**merged)
+    except (TypeError, ValueError) as exc:
+        option = getattr(exc, "gradmon_option", None)
+        if option not in from_env:
+            raise
+        # the operator set this one: name the variable to change, not a keyword nobody passed
+        raise type(exc)(f"gradmon: {_shown(option, environ[env_var(option)])}: option {option!r} "
+                        f"{exc.gradmon_detail}") from None  # type: ignore[attr-defined]
 
 
 def is_disabled(environ: Optional[Mapping[str, str]] = None) -> bool:

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -76,8 +79,8 @@ class Fault:
             step = int(step_text)
         except ValueError:
             raise ValueError(f"{spec!r}: STEP must be a whole number, got {step_text!r}") from None
-        if step < 0:
-            raise ValueError(f"{spec!r}: STEP must be >= 0")
+        if step < 1:
+            raise ValueError(f"{spec!r}: STEP must be >= 1 (the first optimizer step is step 1)")
         layer = layer or DEFAULT_FAULT_LAYER
         if layer not in layers:
             raise ValueError(f"{spec!r}: unknown layer {layer!r}; layers: {', '.join(layers)}")
@@ -144,8 +147,64 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+REPO_URL = "https://github.com/gradmon/gradmon"
+
+
+def _port_in_use(addr: str, port: int) -> bool:
+    """Whether binding ``addr:port`` fails now. Checked before attaching, so that a taken
+    port costs the demo one line instead of gradmon's endpoint error."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return False  # let attach() report an unusable address in its own words
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the endpoint binds
+        try:
+            sock.bind(sockaddr)
+        except OSError:
+            return True
+    return False
+
+
+def _deploy_dir() -> str:
+    """Where the rules and dashboards are: the checkout gradmon runs from, else the repository."""
+    root = Path(__file__).resolve().parents[1]
+    return str(root) if (root / "deploy").is_dir() and (root / "dashboards").is_dir() else REPO_URL + "/tree/main"
+
+
+def _next_steps(url: str, out) -> None:
+    where = _deploy_dir()
+    for what, how in (
+            ("see the metrics", f"curl -s {url} | grep -E '^gradmon_(steps_total|grad_global_norm|nonfinite)'"),
+            ("inject a fault", "gradmon demo --fault nan@200   (or explode@STEP, vanish@STEP; "
+                               f"add :LAYER, default {DEFAULT_FAULT_LAYER})"),
+            ("alert rules", f"{where}/deploy/prometheus/rules/gradmon.rules.yml "
+                            "(Prometheus Operator: deploy/kubernetes/prometheusrule.yaml)"),
+            ("dashboards", f"{where}/dashboards/*.json (import into Grafana)"),
+            ("all of it", f"docker compose -f {where}/deploy/docker-compose.yml up -d   "
+                          "(Prometheus, Alertmanager, Grafana on :3000, scraping port 9400)"),
+            ("stop", "Ctrl-C")):
+        print(f"  {what + ':':17s}{how}", file=out)
+
+
+def _summary(steps: int, monitor, incidents: "List[object]") -> str:
+    if monitor.state == "disabled":
+        return f"finished after {steps} steps (monitoring was disabled)"
+    text = f"finished after {steps} steps; "
+    bad = monitor.snapshot().nonfinite_steps
+    if not incidents:
+        return text + f"{bad} non-finite steps" if bad else text + "no non-finite gradients"
+    text += f"{bad} non-finite step{'s' if bad != 1 else ''} in {len(incidents)} incident" \
+            f"{'s' if len(incidents) != 1 else ''}:"
+    for inc in incidents:
+        text += (f"\n  step {inc.step}: gradient first non-finite in layer {inc.grad_layer or '-'}"
+                 f", activation in layer {inc.activation_layer or '- (not measured on that step)'}")
+    return text
+
+
 def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
     import gradmon
+    from gradmon import config
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -159,17 +218,44 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
     except ValueError as exc:
         parser.error(f"--fault {exc}")
 
+    def say(line: str) -> None:
+        print(f"gradmon demo: {line}", file=out, flush=True)
+
+    incidents: List[object] = []  # appended on gradmon's publisher thread, read after flush()
     options = {k: v for k, v in (("port", args.port), ("addr", args.addr), ("every", args.every),
                                  ("detail_every", args.detail_every), ("name", args.name)) if v is not None}
+    options["on_nonfinite"] = incidents.append
+    if config.is_disabled():
+        say(f"monitoring is disabled: {config.env_var('disable')}={os.environ[config.env_var('disable')]} "
+            "is set in the environment, so gradmon attaches nothing and serves no metrics "
+            "(the model trains as it would without gradmon). Unset it to see the metrics.")
+    else:
+        try:
+            cfg = config.resolve(options)
+        except (TypeError, ValueError) as exc:
+            say(str(exc))
+            return 2
+        if cfg.port and cfg.registry is None and _port_in_use(cfg.addr, cfg.port):
+            say(f"port {cfg.port} is in use; serving on a free port instead (choose one with --port)")
+            options["port"] = 0
+            os.environ.pop(config.env_var("port"), None)  # it would win over port=0; this process is the demo's
     monitor = gradmon.attach(model, **options)
-    print(f"gradmon demo: {len(monitor.layers)} layers, metrics at {monitor.url or monitor.error}", file=out, flush=True)
+    if monitor.state == "server_failed":
+        say(f"{monitor.error}; nothing to look at, stopping (choose another --port)")
+        monitor.detach()
+        return 1
+    if monitor.state != "disabled":
+        say(f"{len(monitor.layers)} layers, metrics at {monitor.url}")
+        _next_steps(monitor.url, out)
     for fault in faults:
-        print(f"gradmon demo: will inject {fault.kind} into {fault.layer} at step {fault.step}", file=out, flush=True)
+        say(f"will inject {fault.kind} into {fault.layer} at step {fault.step}")
+    out.flush()
 
     step = 0
     for layer in {f.layer for f in faults}:
         for param in model.get_submodule(layer).parameters(recurse=False):
-            param.register_hook(_gradient_fault(faults, layer, lambda: step))
+            # step + 1: the step being computed, numbered as gradmon and the progress lines count
+            param.register_hook(_gradient_fault(faults, layer, lambda: step + 1))
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     warmup = 50
@@ -204,8 +290,9 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        monitor.flush()  # every step's incident reaches the summary
         if args.hold > 0:
             stop.wait(args.hold)
         monitor.detach()
-    print(f"gradmon demo: finished after {step} steps", file=out, flush=True)
+    say(_summary(step, monitor, incidents))
     return 0

@@ -24,11 +24,13 @@ class ErrorLog:
         self._lock = threading.Lock()
         self._counts: Dict[str, int] = {s: 0 for s in STAGES}
 
-    def record(self, stage: str, exc: BaseException) -> None:
+    def record(self, stage: str, exc: BaseException, log_first: bool = True) -> None:
+        """``log_first=False`` where the caller says what happened in its own line (a
+        taken port is an expected condition, not a bug to show a traceback for)."""
         with self._lock:
             first = self._counts.get(stage, 0) == 0
             self._counts[stage] = self._counts.get(stage, 0) + 1
-        if first:
+        if first and log_first:
             log.error("gradmon[%s]: error in %s stage, training continues; further %s errors "
                       "are only counted in gradmon_hook_errors_total", self._model, stage, stage,
                       exc_info=(type(exc), exc, exc.__traceback__))

@@ -282,7 +282,7 @@ class Monitor:
             # A taken port must not kill a training job: keep measuring, say so loudly.
             self._state = "server_failed"
             self.error = f"could not serve metrics on {cfg.addr}:{port}: {exc}"
-            self._errors.record("server", exc)
+            self._errors.record("server", exc, log_first=False)
             log.error("gradmon[%s]: %s; training continues without an endpoint "
                       "(set GRADMON_PORT or port=0)", self.name, self.error)
 

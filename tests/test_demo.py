@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,12 +20,17 @@ from conftest import scrape, value
 OUTPUT: "dict[int, list]" = {}  # pid -> lines the demo printed, drained by a thread
 
 
-def start_demo(*args: str) -> "tuple[subprocess.Popen, str]":
+def demo_env(**extra: str) -> "dict[str, str]":
+    """A clean environment, keeping PYTHONPATH so the child runs the gradmon under test."""
+    keep = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
+    return {"GRADMON_FINAL_SCRAPE_TIMEOUT": "0", "PATH": "/usr/bin:/bin", **keep, **extra}
+
+
+def start_demo(*args: str, **env: str) -> "tuple[subprocess.Popen, str]":
     proc = subprocess.Popen(
         [sys.executable, "-m", "gradmon", "demo", "--port", "0", "--addr", "127.0.0.1",
          "--step-delay", "0", "--log-every", "50", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={"GRADMON_FINAL_SCRAPE_TIMEOUT": "0", "PATH": "/usr/bin:/bin"})
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=demo_env(**env))
     lines = OUTPUT[proc.pid] = []
     url = queue.Queue()
 
@@ -98,6 +106,76 @@ def test_demo_runs_to_completion_and_prints_progress():
 ])
 def test_bad_fault_specs_are_rejected_with_a_clear_message(spec, message):
     r = subprocess.run([sys.executable, "-m", "gradmon", "demo", "--fault", spec],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, env=demo_env())
     assert r.returncode == 2
     assert message in r.stderr
+
+
+def run_demo(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gradmon", "demo", "--addr", "127.0.0.1", "--step-delay", "0",
+                           "--log-every", "0", *args], capture_output=True, text=True, timeout=120,
+                          env=demo_env(**env))
+
+
+def test_a_taken_port_falls_back_to_a_free_one_and_says_so_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc, url = start_demo("--port", str(port), "--steps", "20", "--hold", "30")
+        try:
+            assert f":{port}/" not in url
+            assert value(scrape(url), "gradmon_steps_total") >= 0
+        finally:
+            proc.terminate()
+            out = finish(proc)
+    assert f"port {port} is in use; serving on a free port instead" in out
+    assert "Traceback" not in out and "Address already in use" not in out
+
+
+def test_the_demo_says_what_to_do_next_with_its_real_url():
+    proc, url = start_demo("--steps", "5")
+    out = finish(proc)
+    assert f"curl -s {url} | grep" in out
+    assert "--fault nan@" in out
+    rules = re.search(r"alert rules: +(\S+)", out).group(1)
+    dashboards = re.search(r"dashboards: +(\S+)/\*\.json", out).group(1)
+    assert Path(rules).is_file() and list(Path(dashboards).glob("*.json"))
+
+
+def test_the_summary_names_the_incidents_and_where_they_started():
+    r = run_demo("--port", "0", "--steps", "30", "--fault", "nan@10:blocks.2.fc1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "finished after 30 steps; 1 non-finite step in 1 incident:" in r.stdout
+    assert "step 10: gradient first non-finite in layer blocks.2.fc1" in r.stdout
+
+
+def test_a_disabled_demo_says_monitoring_is_disabled_and_why():
+    r = run_demo("--port", "0", "--steps", "5", GRADMON_DISABLE="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "monitoring is disabled: GRADMON_DISABLE=1 is set in the environment" in r.stdout
+    assert "None" not in r.stdout and "metrics at" not in r.stdout
+    assert "finished after 5 steps (monitoring was disabled)" in r.stdout
+
+
+def test_a_bad_setting_in_the_environment_stops_the_demo_naming_the_variable():
+    r = run_demo("--port", "0", "--steps", "5", GRADMON_EVERY="0")
+    assert r.returncode == 2
+    assert "GRADMON_EVERY=0: option 'every' must be a positive integer" in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("arg", ["--help", "--version"])
+def test_help_and_version_answer_at_once_without_importing_torch(arg):
+    times = []
+    for _ in range(3):  # the best of three: this machine is shared and loaded
+        start = time.monotonic()
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "gradmon", arg],
+                           capture_output=True, text=True, timeout=60, env=demo_env())
+        times.append(time.monotonic() - start)
+        assert r.returncode == 0, r.stderr
+        imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+        assert "torch" not in imported and "numpy" not in imported
+        assert "Warning" not in r.stdout + r.stderr.replace("import time:", "")
+    assert min(times) < 1.0, times
+    assert "gradmon demo" in r.stdout if arg == "--help" else r.stdout.strip() == __import__("gradmon").__version__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import socket
 import threading
 import time
@@ -56,7 +57,7 @@ def test_no_trainable_parameters_is_a_value_error():
 
 
 @pytest.mark.parametrize("options, option", [
-    ({"every": -1}, "every"), ({"every": 0}, "every"), ({"detail_every": 1.5}, "detail_every"),
+    ({"every": -1}, "every"), ({"every": 0}, "every"), ({"detail_every": 0}, "detail_every"),
     ({"port": 70000}, "port"), ({"port": -1}, "port"), ({"addr": "not an address"}, "addr"),
     ({"labels": {"model": "x"}}, "labels"), ({"labels": {"bad-name": "x"}}, "labels"),
     ({"include": [""]}, "include"),
@@ -213,6 +214,9 @@ def test_a_taken_port_keeps_training_and_says_so(caplog):
             mon.flush()
             assert mon.snapshot().steps_total == 2
         assert "training continues" in caplog.text
+    # one line that says what to do, not a traceback: a taken port is not a bug in gradmon
+    errors = [r for r in caplog.records if r.name == "gradmon" and r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None and "GRADMON_PORT" in errors[0].getMessage()
 
 
 def test_context_manager_detaches_on_error():

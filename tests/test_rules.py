@@ -169,15 +169,48 @@ def test_every_alert_has_a_firing_and_a_silent_unit_test():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_promtool_unit(case, tmp_path):
+    run_promtool_unit(tmp_path, *CASES[case])
+
+
+def run_promtool_unit(tmp_path, inputs: list, tests: list, annotations: bool = False) -> None:
     promtool = binary("promtool")
     rules = tmp_path / "rules.yml"
-    rules.write_text(yaml.safe_dump(alerting.rule_groups(annotations=False)))
-    inputs, tests = CASES[case]
+    rules.write_text(yaml.safe_dump(alerting.rule_groups(annotations=annotations)))
     (tmp_path / "test.yml").write_text(yaml.safe_dump({
         "rule_files": [str(rules)], "evaluation_interval": "1m",
         "tests": [{"interval": "1m", "input_series": inputs, "alert_rule_test": tests}]}))
     r = subprocess.run([promtool, "test", "rules", str(tmp_path / "test.yml")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+WHERE = "job train, rank 0, model gpt"
+READABLE = {
+    # increase() extrapolates over the window: 7 counted NaNs are 8.166666666666668 here
+    "nonfinite_count": (
+        [series("gradmon_nonfinite_total", "0 _ _ 5 5 12 12", rank="0", layer="blocks.3.fc", tensor="grad", kind="nan")],
+        "GradmonNonFiniteGradients", "6m", target(rank="0", layer="blocks.3.fc", tensor="grad"),
+        f"8.167 NaN/Inf elements in the grad of layer blocks.3.fc ({WHERE}) in the last 5m."),
+    "explosion_norm": (
+        [steps(), series("gradmon_grad_global_norm", "1x40 5234.5678x10", rank="0")],
+        "GradmonGradientExplosion", "43m", target(rank="0"),
+        f"Pre-clip global gradient norm 5.235k ({WHERE}): above 1000, or 100x its own median of the previous 30m."),
+    "vanishing_norm": (
+        [steps(), series("gradmon_grad_norm", "1.234567e-9x30", rank="0", layer="blocks.0.fc")],
+        "GradmonVanishingGradients", "20m", target(rank="0", layer="blocks.0.fc"),
+        f"Gradient norm of layer blocks.0.fc is 1.235n ({WHERE}): below 1e-08 or below 0.0001x its own median, "
+        "for 10m."),
+}
+
+
+@pytest.mark.parametrize("case", sorted(READABLE))
+def test_alert_descriptions_print_numbers_readably(case, tmp_path):
+    inputs, name, at, labels, description = READABLE[case]
+    rule = next(a for a in alerting.alerts(alerting.Thresholds(), alerting.PRODUCTION) if a.name == name)
+    run_promtool_unit(tmp_path, inputs, [{
+        "eval_time": at, "alertname": name,
+        "exp_alerts": [{"exp_labels": {"severity": rule.severity, **labels},
+                        "exp_annotations": {"summary": rule.summary, "description": description,
+                                            "runbook_url": rule.runbook_url}}]}], annotations=True)
 
 
 def test_every_alert_carries_severity_summary_description_and_runbook():
