@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import gradmon
-from conftest import scrape, value
+from conftest import fresh, scrape, value
 from servers import free_port
 from test_lifecycle import hook_state, optimizer_hook_count
 
@@ -41,13 +41,6 @@ REL = 1e-5
 
 def close(got: float, want: float, rel: float = REL) -> bool:
     return math.isclose(got, want, rel_tol=rel, abs_tol=1e-12)
-
-
-def fresh(mon) -> Dict:
-    """Every step so far in the snapshot, then a real scrape of the endpoint: the series
-    of this monitor's model (port 0 endpoints may be shared with other models)."""
-    assert mon.flush(), "gradmon did not publish the steps within 5 s"
-    return {key: v for key, v in scrape(mon.url).items() if dict(key[1]).get("model") == mon.name}
 
 
 def hook_errors(s: Dict) -> Dict[str, float]:
