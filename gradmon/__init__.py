@@ -12,6 +12,6 @@ __version__ = "0.1.0"
 
 from .config import Config
 from .monitor import Monitor, attach
-from .snapshot import NonFiniteIncident
+from .snapshot import Coverage, NonFiniteIncident
 
-__all__ = ["attach", "Monitor", "Config", "NonFiniteIncident", "__version__"]
+__all__ = ["attach", "Monitor", "Config", "Coverage", "NonFiniteIncident", "__version__"]

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Dict, FrozenSet, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from .hooks import HookSet, Recorder
 from .identity import RankInfo, detect
 from .layers import discover, has_trainable_parameters, is_ddp, unwrap
 from .grouping import group_layers, per_layer_series
-from .snapshot import Aggregator, NonFiniteIncident, Publisher, Snapshot
+from .snapshot import Aggregator, Coverage, NonFiniteIncident, Publisher, Snapshot
 
 log = logging.getLogger("gradmon")
 
@@ -127,10 +127,12 @@ class Monitor:
         """The latest published snapshot (what the endpoint serves)."""
         return self._snapshot
 
-    def coverage(self) -> Dict[str, FrozenSet[str]]:
-        """Families observed so far for each layer; a missing family is a stated gap
-        (e.g. ``nn.MultiheadAttention.out_proj``, whose forward never runs)."""
-        return dict(self._snapshot.coverage)
+    def coverage(self) -> Coverage:
+        """Families observed so far for each layer (a mapping, layer -> families); a
+        missing family is a stated gap (e.g. ``nn.MultiheadAttention.out_proj``, whose
+        forward never runs), listed by ``gaps()``. ``measured_at_step`` counts steps whose
+        gradients could only be measured at the optimizer step, after any clipping."""
+        return self._snapshot.coverage
 
     def detach(self) -> None:
         """Remove every hook, stop the publisher and (last user) the HTTP server.

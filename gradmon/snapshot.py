@@ -15,7 +15,8 @@ import math
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import metrics as M
 from .errors import ErrorLog
@@ -47,6 +48,7 @@ class StepPacket:
     skipped: bool = False  # an overflow step the GradScaler skipped: data holds only the scale
     sampled: bool = True
     detail: bool = False
+    measured_at_step: bool = False  # gradients measured at the optimizer step, not at the end of backward
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,45 @@ class NonFiniteIncident:
     """First layer in backward order whose gradient (flow or parameter) went non-finite."""
     activation_layer: Optional[str]
     """First layer in forward order whose output went non-finite (detail steps only)."""
+
+
+@dataclass(frozen=True, eq=False)  # eq=False keeps Mapping's ==, so it still equals a plain dict
+class Coverage(Mapping[str, FrozenSet[str]]):
+    """What gradmon could observe, as ``Monitor.coverage()`` returns it.
+
+    It reads as ``{layer: families observed so far}`` (``grad``, ``grad_flow``,
+    ``activation``); the fields say which families apply to a layer and at which moment
+    the gradients were measured."""
+
+    observed: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
+    """Families observed so far, per layer (what indexing the mapping returns)."""
+    expected: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
+    """Families that apply to each layer: the enabled ones."""
+    measured_at_step: int = 0
+    """Steps whose gradients reached the optimizer without autograd accumulating them
+    into the monitored parameters (``.grad`` assigned by hand after
+    ``torch.autograd.grad``): their norms were measured at the optimizer step, after any
+    ``clip_grad_norm_``, so they are not pre-clip. 0: every step was measured at the end
+    of its backward pass."""
+
+    def __getitem__(self, layer: str) -> FrozenSet[str]:
+        return self.observed[layer]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.observed)
+
+    def __len__(self) -> int:
+        return len(self.observed)
+
+    def gaps(self) -> Dict[str, FrozenSet[str]]:
+        """Per layer, the families that apply but were not observed. Judge it after a
+        detail step (``detail_every``): before one, activations and grad flow are unseen."""
+        out = {}
+        for layer, families in self.expected.items():
+            missing = families - self.observed.get(layer, frozenset())
+            if missing:
+                out[layer] = missing
+        return out
 
 
 @dataclass(frozen=True)
@@ -94,7 +135,7 @@ class Snapshot:
     grouped_layers: int = 0
     amp_skipped_steps: Optional[int] = None  # None: no scaler given
     amp_loss_scale: Optional[float] = None
-    coverage: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
+    coverage: Coverage = field(default_factory=Coverage)
 
 
 def _merge_max(a: float, b: float) -> float:
@@ -148,6 +189,7 @@ class Aggregator:
         self.local_grad_norm: List[Optional[float]] = [None] * n
         self.local_global_norm: Optional[float] = None
         self.detail_backward_steps = 0
+        self.measured_at_step = 0
         self._gaps_logged = False
         self.generation = 0
 
@@ -198,6 +240,8 @@ class Aggregator:
         self.steps_total += 1
         self.global_step = packet.global_step
         self.last_step_time = packet.time
+        if packet.measured_at_step:
+            self._count_measured_at_step()
         if packet.data is None:
             return
         values: List[float] = packet.data.tolist()
@@ -326,9 +370,21 @@ class Aggregator:
 
     # -- coverage ------------------------------------------------------------------
 
-    def coverage(self) -> Dict[str, FrozenSet[str]]:
-        return {name: frozenset(f for f in M.FAMILIES if i in self.seen[f])
-                for i, name in enumerate(self.layer_names)}
+    def coverage(self) -> Coverage:
+        # read-only views: the snapshot's coverage is shared with every reader
+        return Coverage(
+            observed=MappingProxyType({name: frozenset(f for f in M.FAMILIES if i in self.seen[f])
+                                       for i, name in enumerate(self.layer_names)}),
+            expected=MappingProxyType({name: frozenset(self.families) for name in self.layer_names}),
+            measured_at_step=self.measured_at_step)
+
+    def _count_measured_at_step(self) -> None:
+        self.measured_at_step += 1
+        if self.measured_at_step == 1:
+            log.warning("gradmon[%s]: gradients reached the optimizer without autograd accumulating them into "
+                        "the monitored parameters (e.g. .grad assigned by hand after torch.autograd.grad); they "
+                        "are measured at the optimizer step, after any clipping (Monitor.coverage()"
+                        ".measured_at_step counts such steps)", self._model)
 
     def uncovered(self) -> Dict[str, int]:
         """Layers each enabled family has not observed, once there is evidence to judge:
@@ -346,9 +402,8 @@ class Aggregator:
         if self._gaps_logged:
             return
         self._gaps_logged = True
-        gaps = [f"{name} ({', '.join(f for f in self.families if f not in fams)})"
-                for name, fams in self.coverage().items()
-                if any(f not in fams for f in self.families)]
+        gaps = [f"{name} ({', '.join(f for f in self.families if f in missing)})"
+                for name, missing in self.coverage().gaps().items()]
         if gaps:
             hint = ""
             if not self.seen[M.FAMILY_ACTIVATION] and not self.seen[M.FAMILY_GRAD_FLOW]:

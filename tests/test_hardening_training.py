@@ -220,6 +220,23 @@ def test_grads_assigned_by_hand_after_autograd_grad_give_the_global_norm(attach,
         assert close(got, want), f"step {i}: gradmon says {got}, the assigned grads have norm {want}"
 
 
+def test_grads_assigned_by_hand_are_stated_once_in_the_log_and_in_coverage(attach, caplog):
+    model, params, opt, mon = hand_assigned_setup(attach)
+    train(model, opt)  # an ordinary backward: measured at its end, nothing to state
+    assert mon.flush() and mon.coverage().measured_at_step == 0
+    for _ in range(3):
+        assign_grads_by_hand(model, params)
+        torch.nn.utils.clip_grad_norm_(params, 1e-3)
+        opt.step()
+        opt.zero_grad()
+    assert mon.flush()
+    cov = mon.coverage()
+    assert cov.measured_at_step == 3
+    assert cov["head"] == frozenset({"grad", "grad_flow", "activation"})  # still reads as {layer: families}
+    said = [r for r in caplog.records if "measured at the optimizer step" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_nan_in_a_grad_assigned_by_hand_counts_one_nonfinite_step(attach, set_to_none):
     model, params, opt, mon = hand_assigned_setup(attach)

@@ -111,3 +111,4 @@ def test_norms_equal_lightnings_pre_clip_grad_norm_at_every_step(attach, call, a
             assert math.isclose(layer_got, layer_want, rel_tol=REL), \
                 f"step {step}, layer {layer}: gradmon says {layer_got}, Lightning's grad_norm {layer_want}"
     assert all(v == 0 for (name, _), v in seen.scrapes[-1].items() if name == "gradmon_hook_errors_total")
+    assert mon.coverage().measured_at_step == 0  # every step measured at the end of its backward
