@@ -250,7 +250,8 @@ class Monitor:
         self._reduced_per_layer = self.rank.rank == 0 or self.rank.world_size == 1 or not (
             local_view or recorder.sharded)
         aggregator = Aggregator(grouping.names, recorder.param_layer, families, self.name, local_view,
-                                grouping.of_layer, self.rank.rank, self._on_incident, amp=cfg.scaler is not None)
+                                grouping.of_layer, self.rank.rank, self._on_incident, amp=cfg.scaler is not None,
+                                tied={layer.index: layer.tied_to for layer in layers if layer.tied_to})
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried

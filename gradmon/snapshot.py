@@ -82,7 +82,12 @@ class Coverage(Mapping[str, FrozenSet[str]]):
     observed: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
     """Families observed so far, per layer (what indexing the mapping returns)."""
     expected: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
-    """Families that apply to each layer: the enabled ones."""
+    """Families that apply to each layer: the enabled ones, less ``grad`` for a layer
+    that owns no parameter of its own (see ``tied``)."""
+    tied: Mapping[str, str] = field(default_factory=dict)
+    """Layers whose every parameter is shared with an earlier module (GPT-2's
+    ``lm_head``, whose weight is ``wte.weight``) -> that module. Their weights' gradient
+    is reported once, under the owner: not a gap."""
     measured_at_step: int = 0
     """Steps whose gradients reached the optimizer without autograd accumulating them
     into the monitored parameters (``.grad`` assigned by hand after
@@ -151,13 +156,20 @@ class Aggregator:
     def __init__(self, layer_names: Sequence[str], param_layer: Sequence[int],
                  families: Sequence[str], model: str, local_view: bool = False,
                  layer_group: Optional[Sequence[int]] = None, rank: int = 0,
-                 on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False) -> None:
+                 on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False,
+                 tied: Optional[Mapping[int, str]] = None) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
-        the recorder's layer index."""
+        the recorder's layer index; ``tied`` maps a recorder layer without parameters of
+        its own to the module that owns them."""
         self.layer_names = tuple(layer_names)
         self.layer_group = tuple(layer_group) if layer_group is not None else tuple(range(len(layer_names)))
         self.param_layer = tuple(self.layer_group[layer] for layer in param_layer)
+        # The grad family applies exactly where a measured parameter lives: the same
+        # mapping the recorder measures by, so expectation and measurement cannot drift.
+        self.grad_layers = frozenset(self.param_layer)
+        self.tied = {self.layer_names[self.layer_group[layer]]: owner for layer, owner in (tied or {}).items()
+                     if self.layer_group[layer] not in self.grad_layers}
         self.rank = rank
         self.amp = amp
         self.on_incident = on_incident
@@ -375,8 +387,10 @@ class Aggregator:
         return Coverage(
             observed=MappingProxyType({name: frozenset(f for f in M.FAMILIES if i in self.seen[f])
                                        for i, name in enumerate(self.layer_names)}),
-            expected=MappingProxyType({name: frozenset(self.families) for name in self.layer_names}),
-            measured_at_step=self.measured_at_step)
+            expected=MappingProxyType({name: frozenset(f for f in self.families
+                                                       if f != M.FAMILY_GRAD or i in self.grad_layers)
+                                       for i, name in enumerate(self.layer_names)}),
+            tied=MappingProxyType(dict(self.tied)), measured_at_step=self.measured_at_step)
 
     def _count_measured_at_step(self) -> None:
         self.measured_at_step += 1
@@ -387,12 +401,13 @@ class Aggregator:
                         ".measured_at_step counts such steps)", self._model)
 
     def uncovered(self) -> Dict[str, int]:
-        """Layers each enabled family has not observed, once there is evidence to judge:
-        the grad family after one step with gradients, the others after one detail step."""
+        """Layers each enabled family applies to but has not observed, once there is
+        evidence to judge: the grad family after one step with gradients, the others after
+        one detail step."""
         n = len(self.layer_names)
         out = {}
         if self.steps_total:
-            out[M.FAMILY_GRAD] = n - len(self.seen[M.FAMILY_GRAD])
+            out[M.FAMILY_GRAD] = len(self.grad_layers - self.seen[M.FAMILY_GRAD])
         for f in (M.FAMILY_GRAD_FLOW, M.FAMILY_ACTIVATION):
             if f in self.families:
                 out[f] = n - len(self.seen[f]) if self.detail_backward_steps else 0
