@@ -186,7 +186,6 @@ class Recorder:
         self._accumulated = False  # autograd accumulated a monitored gradient in this backward
         self._fresh_backward = False  # self._batched holds this step's gradients
         self._measured_at_step = False
-        self._said_measured_at_step = False
         self._last_step_by_optimizer = False
         self._reset_records()
 
@@ -491,12 +490,10 @@ class Recorder:
         index = self.steps
         self._stepped = True
         global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
-        packet = StepPacket(index, global_step, time.time())
+        packet = StepPacket(index, global_step, time.time(), measured_at_step=self._measured_at_step)
         if self._shard_groups:
             self._reduce_shards()
         try:
-            if self._measured_at_step:
-                self._say_measured_at_step()
             # what a forward or backward that did not complete recorded is not this step's
             for records in self._records.values():
                 records.drop_pending()
@@ -525,14 +522,6 @@ class Recorder:
         self._accumulated = False
         self._measured_at_step = False
         self._reset_records()
-
-    def _say_measured_at_step(self) -> None:
-        if self._said_measured_at_step:
-            return
-        self._said_measured_at_step = True
-        log.warning("gradmon: gradients reached the optimizer without autograd accumulating them into the "
-                    "monitored parameters (e.g. .grad assigned by hand after torch.autograd.grad); they are "
-                    "measured at the optimizer step, after any clipping")
 
     def _reduce_shards(self) -> None:
         """The step's collective: every rank calls it at every step, whatever failed before."""

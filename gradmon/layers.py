@@ -5,14 +5,17 @@ Embedding, ...). Containers (Sequential, ModuleList, a user's Block) own none an
 not layers: their children are. The label of a layer is its qualified name from
 ``named_modules()``. A parameter shared by two layers (tied embeddings) belongs to the
 first one in ``named_modules()`` order, so every parameter is counted exactly once in
-the global norm.
+the global norm. A layer left with no parameter of its own (GPT-2's ``lm_head``, whose
+weight is ``wte.weight``) is still a layer, for its activations and gradient flow, but
+has no gradient of its own to observe: ``tied_to`` names the layer whose gradient norm
+includes its weights, so coverage does not report it as a gap.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -29,6 +32,9 @@ class Layer:
     module: nn.Module
     params: Tuple[nn.Parameter, ...]
     """Trainable parameters this layer owns and no earlier layer already claimed."""
+    tied_to: Optional[str] = None
+    """When ``params`` is empty (every parameter is shared with an earlier module): the
+    name of the module that owns them, whose gradient norm includes them."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -86,18 +92,20 @@ def _name_selected(name: str, cfg: Config) -> bool:
 def discover(model: nn.Module, cfg: Config) -> List[Layer]:
     """The monitored layers of ``model``, in ``named_modules()`` (roughly forward) order."""
     _check_type_names(model, cfg.layer_types)
-    claimed: set = set()
+    owner: Dict[int, str] = {}  # id(parameter) -> name of the first module holding it
     layers: List[Layer] = []
     for qname, module in model.named_modules():
         own = [p for p in module._parameters.values() if p is not None and p.requires_grad]
         if not own:
             continue  # a container, or a frozen layer
-        unclaimed = tuple(p for p in own if id(p) not in claimed)
-        claimed.update(id(p) for p in own)
         name = qname or ROOT_LABEL
+        unclaimed = tuple(p for p in own if id(p) not in owner)
+        tied_to = None if unclaimed else owner[id(own[0])]
+        for p in own:
+            owner.setdefault(id(p), name)
         if not (_name_selected(name, cfg) and _type_matches(module, cfg.layer_types)):
             continue
-        layers.append(Layer(len(layers), name, module, unclaimed))
+        layers.append(Layer(len(layers), name, module, unclaimed, tied_to))
     return layers
 
 

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Dict, FrozenSet, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from .identity import RankInfo, detect
 from .layers import discover, has_trainable_parameters, is_ddp, unwrap
 from . import statistics as S
 from .grouping import group_layers
-from .snapshot import Aggregator, NonFiniteIncident, Publisher, Snapshot
+from .snapshot import Aggregator, Coverage, NonFiniteIncident, Publisher, Snapshot
 
 log = logging.getLogger("gradmon")
 
@@ -131,10 +131,12 @@ class Monitor:
         publisher = self._publisher
         return publisher.latest if publisher is not None else self._final_snapshot
 
-    def coverage(self) -> Dict[str, FrozenSet[str]]:
-        """Families observed so far for each layer; a missing family is a stated gap
-        (e.g. ``nn.MultiheadAttention.out_proj``, whose forward never runs)."""
-        return dict(self.snapshot().coverage)
+    def coverage(self) -> Coverage:
+        """Families observed so far for each layer (a mapping, layer -> families); a
+        missing family is a stated gap (e.g. ``nn.MultiheadAttention.out_proj``, whose
+        forward never runs), listed by ``gaps()``. ``measured_at_step`` counts steps whose
+        gradients could only be measured at the optimizer step, after any clipping."""
+        return self.snapshot().coverage
 
     def detach(self) -> None:
         """End the run as "finished": remove every hook, stop the publisher and (last user)
@@ -257,7 +259,8 @@ class Monitor:
         self._reduced_per_layer = self.rank.rank == 0 or self.rank.world_size == 1 or not (
             local_view or recorder.sharded)
         aggregator = Aggregator(grouping.names, recorder.param_layer, statistics, self.name, grouping.of_layer,
-                                self.rank.rank, self._on_incident, amp=cfg.scaler is not None)
+                                self.rank.rank, self._on_incident, amp=cfg.scaler is not None,
+                                tied={layer.index: layer.tied_to for layer in layers if layer.tied_to})
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried

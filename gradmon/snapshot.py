@@ -15,7 +15,8 @@ import math
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import metrics as M
 from . import statistics as S
@@ -41,6 +42,7 @@ class StepPacket:
     skipped: bool = False  # an overflow step the GradScaler skipped: data holds only the scale
     sampled: bool = True
     detail: bool = False
+    measured_at_step: bool = False  # gradients measured at the optimizer step, not at the end of backward
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,50 @@ class NonFiniteIncident:
     """First layer in forward order whose output went non-finite (detail steps only)."""
 
 
+@dataclass(frozen=True, eq=False)  # eq=False keeps Mapping's ==, so it still equals a plain dict
+class Coverage(Mapping[str, FrozenSet[str]]):
+    """What gradmon could observe, as ``Monitor.coverage()`` returns it.
+
+    It reads as ``{layer: families observed so far}`` (``grad``, ``grad_flow``,
+    ``activation``); the fields say which families apply to a layer and at which moment
+    the gradients were measured."""
+
+    observed: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
+    """Families observed so far, per layer (what indexing the mapping returns)."""
+    expected: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
+    """Families that apply to each layer: the enabled ones, less ``grad`` for a layer
+    that owns no parameter of its own (see ``tied``)."""
+    tied: Mapping[str, str] = field(default_factory=dict)
+    """Layers whose every parameter is shared with an earlier module (GPT-2's
+    ``lm_head``, whose weight is ``wte.weight``) -> that module. Their weights' gradient
+    is reported once, under the owner: not a gap."""
+    measured_at_step: int = 0
+    """Steps whose gradients reached the optimizer without autograd accumulating them
+    into the monitored parameters (``.grad`` assigned by hand after
+    ``torch.autograd.grad``): their norms were measured at the optimizer step, after any
+    ``clip_grad_norm_``, so they are not pre-clip. 0: every step was measured at the end
+    of its backward pass."""
+
+    def __getitem__(self, layer: str) -> FrozenSet[str]:
+        return self.observed[layer]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.observed)
+
+    def __len__(self) -> int:
+        return len(self.observed)
+
+    def gaps(self) -> Dict[str, FrozenSet[str]]:
+        """Per layer, the families that apply but were not observed. Judge it after a
+        detail step (``detail_every``): before one, activations and grad flow are unseen."""
+        out = {}
+        for layer, families in self.expected.items():
+            missing = families - self.observed.get(layer, frozenset())
+            if missing:
+                out[layer] = missing
+        return out
+
+
 @dataclass(frozen=True)
 class Snapshot:
     generation: int = 0
@@ -82,7 +128,7 @@ class Snapshot:
     grouped_layers: int = 0
     amp_skipped_steps: Optional[int] = None  # None: no scaler given
     amp_loss_scale: Optional[float] = None
-    coverage: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
+    coverage: Coverage = field(default_factory=Coverage)
 
     @property
     def global_norm(self) -> Optional[float]:
@@ -143,13 +189,21 @@ class Aggregator:
     def __init__(self, layer_names: Sequence[str], param_layer: Sequence[int],
                  statistics: Sequence[Statistic], model: str,
                  layer_group: Optional[Sequence[int]] = None, rank: int = 0,
-                 on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False) -> None:
+                 on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False,
+                 tied: Optional[Mapping[int, str]] = None) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
-        the recorder's layer index."""
+        the recorder's layer index; ``tied`` maps a recorder layer without parameters of
+        its own to the module that owns them."""
         self.layer_names = tuple(layer_names)
         self.layer_group = tuple(layer_group) if layer_group is not None else tuple(range(len(layer_names)))
         self.param_layer = tuple(self.layer_group[layer] for layer in param_layer)
+        # The grad family applies exactly where a measured parameter lives: the same
+        # mapping the recorder measures by, so expectation and measurement cannot drift.
+        self.grad_layers = frozenset(self.param_layer)
+        self.all_layers = frozenset(range(len(self.layer_names)))
+        self.tied = {self.layer_names[self.layer_group[layer]]: owner for layer, owner in (tied or {}).items()
+                     if self.layer_group[layer] not in self.grad_layers}
         self.rank = rank
         self.amp = amp
         self.on_incident = on_incident
@@ -172,6 +226,7 @@ class Aggregator:
         self.amp_skipped_steps = 0
         self.amp_loss_scale: Optional[float] = None
         self.detail_backward_steps = 0
+        self.measured_at_step = 0
         self._gaps_logged = False
         self.generation = 0
 
@@ -218,6 +273,8 @@ class Aggregator:
         self.steps_total += 1
         self.global_step = packet.global_step
         self.last_step_time = packet.time
+        if packet.measured_at_step:
+            self._count_measured_at_step()
         if packet.data is None:
             return
         values: List[float] = packet.data.tolist()
@@ -296,31 +353,51 @@ class Aggregator:
 
     # -- coverage ------------------------------------------------------------------
 
-    def coverage(self) -> Dict[str, FrozenSet[str]]:
-        return {name: frozenset(f for f in M.FAMILIES if i in self.seen[f])
-                for i, name in enumerate(self.layer_names)}
+    def coverage(self) -> Coverage:
+        # read-only views: the snapshot's coverage is shared with every reader
+        return Coverage(
+            observed=MappingProxyType({name: frozenset(f for f in M.FAMILIES if i in self.seen[f])
+                                       for i, name in enumerate(self.layer_names)}),
+            expected=MappingProxyType({name: frozenset(st.coverage for st in self.statistics
+                                                       if st.coverage and i in self._expected_layers(st))
+                                       for i, name in enumerate(self.layer_names)}),
+            tied=MappingProxyType(dict(self.tied)), measured_at_step=self.measured_at_step)
+
+    def _expected_layers(self, st: Statistic) -> FrozenSet[int]:
+        """Layers ``st`` can observe: a statistic of parameters only those where a measured
+        parameter lives (not a tied head whose weight another layer owns)."""
+        return self.grad_layers if st.by_parameter else self.all_layers
+
+    def _count_measured_at_step(self) -> None:
+        self.measured_at_step += 1
+        if self.measured_at_step == 1:
+            log.warning("gradmon[%s]: gradients reached the optimizer without autograd accumulating them into "
+                        "the monitored parameters (e.g. .grad assigned by hand after torch.autograd.grad); they "
+                        "are measured at the optimizer step, after any clipping (Monitor.coverage()"
+                        ".measured_at_step counts such steps)", self._model)
 
     def uncovered(self) -> Dict[str, int]:
-        """Layers each enabled family has not observed, once there is evidence to judge:
-        the grad family after one step with gradients, the others after one detail step."""
+        """Layers each enabled family applies to but has not observed, once there is
+        evidence to judge: the grad family after one step with gradients, the others after
+        one detail step."""
         n = len(self.layer_names)
         out = {}
         for st in self.statistics:
             if not st.coverage:
                 continue
-            if st.detail:
-                out[st.coverage] = n - len(self.seen[st.coverage]) if self.detail_backward_steps else 0
-            elif self.steps_total:
-                out[st.coverage] = n - len(self.seen[st.coverage])
+            if not (self.detail_backward_steps if st.detail else self.steps_total):
+                if st.detail:
+                    out[st.coverage] = 0  # no evidence yet, and nothing to report
+                continue
+            out[st.coverage] = len(self._expected_layers(st) - self.seen[st.coverage])
         return out
 
     def _log_gaps_once(self) -> None:
         if self._gaps_logged:
             return
         self._gaps_logged = True
-        gaps = [f"{name} ({', '.join(f for f in self.families if f not in fams)})"
-                for name, fams in self.coverage().items()
-                if any(f not in fams for f in self.families)]
+        gaps = [f"{name} ({', '.join(f for f in self.families if f in missing)})"
+                for name, missing in self.coverage().gaps().items()]
         if gaps:
             hint = ""
             if not self.seen[M.FAMILY_ACTIVATION] and not self.seen[M.FAMILY_GRAD_FLOW]:

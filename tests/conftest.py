@@ -34,6 +34,13 @@ def parse(body: str) -> Dict[Key, float]:
     return out
 
 
+def fresh(mon) -> Dict[Key, float]:
+    """Every step so far in the snapshot, then a real scrape of the endpoint: the series
+    of this monitor's model (port 0 endpoints may be shared with other models)."""
+    assert mon.flush(), "gradmon did not publish the steps within 5 s"
+    return {key: v for key, v in scrape(mon.url).items() if dict(key[1]).get("model") == mon.name}
+
+
 def value(samples: Dict[Key, float], name: str, **labels: str) -> float:
     want = tuple(sorted(labels.items()))
     hits = [v for (n, ls), v in samples.items()

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import gradmon
-from conftest import scrape, value
+from conftest import fresh, scrape, value
 from servers import free_port
 from test_lifecycle import hook_state, optimizer_hook_count
 
@@ -41,13 +41,6 @@ REL = 1e-5
 
 def close(got: float, want: float, rel: float = REL) -> bool:
     return math.isclose(got, want, rel_tol=rel, abs_tol=1e-12)
-
-
-def fresh(mon) -> Dict:
-    """Every step so far in the snapshot, then a real scrape of the endpoint: the series
-    of this monitor's model (port 0 endpoints may be shared with other models)."""
-    assert mon.flush(), "gradmon did not publish the steps within 5 s"
-    return {key: v for key, v in scrape(mon.url).items() if dict(key[1]).get("model") == mon.name}
 
 
 def hook_errors(s: Dict) -> Dict[str, float]:
@@ -227,6 +220,23 @@ def test_grads_assigned_by_hand_after_autograd_grad_give_the_global_norm(attach,
         assert close(got, want), f"step {i}: gradmon says {got}, the assigned grads have norm {want}"
 
 
+def test_grads_assigned_by_hand_are_stated_once_in_the_log_and_in_coverage(attach, caplog):
+    model, params, opt, mon = hand_assigned_setup(attach)
+    train(model, opt)  # an ordinary backward: measured at its end, nothing to state
+    assert mon.flush() and mon.coverage().measured_at_step == 0
+    for _ in range(3):
+        assign_grads_by_hand(model, params)
+        torch.nn.utils.clip_grad_norm_(params, 1e-3)
+        opt.step()
+        opt.zero_grad()
+    assert mon.flush()
+    cov = mon.coverage()
+    assert cov.measured_at_step == 3
+    assert cov["head"] == frozenset({"grad", "grad_flow", "activation"})  # still reads as {layer: families}
+    said = [r for r in caplog.records if "measured at the optimizer step" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_nan_in_a_grad_assigned_by_hand_counts_one_nonfinite_step(attach, set_to_none):
     model, params, opt, mon = hand_assigned_setup(attach)
@@ -271,6 +281,8 @@ def test_detach_inside_on_nonfinite_callback_tears_everything_down(attach):
 def test_final_scrape_wait_does_not_block_another_models_attach(attach):
     torch.manual_seed(10)
     a = attach(Net(), port=free_port(), final_scrape_timeout=3)
+    scrape(a.url)  # a periodic scraper (two scrapes) is what the final-scrape wait waits for
+    time.sleep(0.5)
     scrape(a.url)
     detaching = threading.Thread(target=a.detach, name="test-detach-a", daemon=True)
     detaching.start()
@@ -325,6 +337,8 @@ def test_ctrl_c_during_the_final_scrape_wait_still_tears_everything_down(attach)
     before = gradmon_threads()
     mon = attach(Net(), final_scrape_timeout=5)
     port = mon.port
+    scrape(mon.url)  # a periodic scraper (two scrapes) is what the final-scrape wait waits for
+    time.sleep(0.5)
     scrape(mon.url)
     fired = threading.Event()
 

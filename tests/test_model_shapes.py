@@ -154,31 +154,61 @@ def test_frozen_layers_are_skipped_and_shared_modules_aggregate_all_calls(attach
     assert math.isclose(value(s, "gradmon_activation_abs_max", layer="block"), both.abs().max().item(), rel_tol=1e-6)
 
 
-def test_tied_weights_are_counted_once_in_the_global_norm(attach):
+class TinyGPT2(nn.Module):
+    """GPT-2's shape in miniature: token and position embeddings, pre-norm blocks with
+    Conv1D-like projections, a final LayerNorm and an ``lm_head`` whose weight *is*
+    ``wte.weight`` (``lm_head.weight = wte.weight``, as ``tie_weights()`` does)."""
+
+    def __init__(self, vocab: int = 17, d: int = 8, n_ctx: int = 6, layers: int = 2) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(vocab, d), "wpe": nn.Embedding(n_ctx, d),
+            "h": nn.ModuleList([nn.ModuleDict({
+                "ln_1": nn.LayerNorm(d), "c_attn": nn.Linear(d, 3 * d), "c_proj": nn.Linear(d, d),
+                "ln_2": nn.LayerNorm(d), "c_fc": nn.Linear(d, 4 * d), "mlp_proj": nn.Linear(4 * d, d),
+            }) for _ in range(layers)]),
+            "ln_f": nn.LayerNorm(d),
+        })
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx):
+        t = self.transformer
+        h = t.wte(idx) + t.wpe(torch.arange(idx.shape[1]))
+        for block in t.h:
+            q, k, v = block.c_attn(block.ln_1(h)).chunk(3, dim=-1)
+            att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+            h = h + block.c_proj(att @ v)
+            h = h + block.mlp_proj(torch.nn.functional.gelu(block.c_fc(block.ln_2(h))))
+        return self.lm_head(t.ln_f(h))
+
+
+def test_tied_lm_head_is_not_a_gap_and_its_weight_is_counted_once(attach, caplog):
     torch.manual_seed(5)
-
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(10, 4)
-            self.lm_head = nn.Linear(4, 10, bias=False)
-            self.lm_head.weight = self.embed.weight
-
-        def forward(self, idx):
-            return self.lm_head(self.embed(idx))
-
-    model = Tied()
+    model = TinyGPT2()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = attach(model)
-    out = model(torch.tensor([[1, 2, 3]]))
-    out.pow(2).mean().backward()
-    expected = model.embed.weight.grad.double().norm().item()
-    opt.step()
+    mon = attach(model, detail_every=1)
+    for _ in range(2):
+        logits = model(torch.randint(0, 17, (2, 6)))
+        logits.pow(2).mean().backward()
+        expected = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()  # each tensor once
+        wte = model.transformer.wte.weight.grad.double().norm().item()
+        opt.step()
+        opt.zero_grad()
     mon.flush()
     s = scrape(mon.url)
     assert math.isclose(value(s, "gradmon_grad_global_norm"), expected, rel_tol=1e-5)
-    # lm_head owns no parameter of its own (its weight is the embedding's): the grad gap is stated
-    assert mon.coverage()["lm_head"] == frozenset({"activation", "grad_flow"})
+    # the tied weight's gradient (embedding and head contributions together) is wte's
+    assert math.isclose(value(s, "gradmon_grad_norm", layer="transformer.wte"), wte, rel_tol=1e-5)
+    assert ("gradmon_grad_norm", (("layer", "lm_head"), ("model", mon.name))) not in s
+    for family in ("grad", "grad_flow", "activation"):
+        assert value(s, "gradmon_uncovered_layers", family=family) == 0, family
+    cov = mon.coverage()
+    assert cov["lm_head"] == frozenset({"activation", "grad_flow"})
+    assert cov.expected["lm_head"] == frozenset({"activation", "grad_flow"})
+    assert cov.tied == {"lm_head": "transformer.wte"}
+    assert cov.gaps() == {}
+    assert "not fully observable" not in caplog.text
 
 
 def test_sparse_embedding_gradients(attach):

@@ -63,18 +63,34 @@ def test_layer_and_global_grad_norms_equal_the_grads_at_the_optimizer_step(attac
     assert value(s, "gradmon_steps_total") == 3
 
 
-def test_norms_are_pre_clip(attach):
+class Wrapper(nn.Module):
+    """A model whose training loop calls a submodule (``model.net(x)``), never the
+    attached module's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("call", ["attached module", "submodule"])
+def test_norms_are_pre_clip(attach, call):
     torch.manual_seed(1)
-    model = Net()
+    model = Wrapper()
+    forward = model if call == "attached module" else model.net
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = attach(model)
-    model(torch.randn(8, 6)).pow(2).sum().backward()
-    returned = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3).item()
-    opt.step()
-    mon.flush()
-    s = scrape(mon.url)
-    assert returned > 1e-2  # the clip really did something
-    assert rel_close(value(s, "gradmon_grad_global_norm"), returned)
+    for step in range(3):
+        forward(torch.randn(8, 6)).pow(2).sum().backward()
+        returned = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3).item()
+        opt.step()
+        opt.zero_grad()
+        mon.flush()
+        s = scrape(mon.url)
+        assert returned > 1e-2  # the clip really did something
+        assert rel_close(value(s, "gradmon_grad_global_norm"), returned), f"step {step}"
 
 
 def test_gradient_accumulation_gives_one_sample_of_the_accumulated_gradient(attach):

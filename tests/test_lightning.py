@@ -1,0 +1,114 @@
+"""Lightning (issue 8, part 0): the norms gradmon reports are the accumulated, pre-clip
+gradient that Lightning itself sees in ``on_before_optimizer_step``, whichever forward
+``training_step`` calls.
+
+Lightning's automatic optimization runs forward and backward inside the closure it
+passes to ``optimizer.step``, so the optimizer's pre-step hook runs *before* that
+step's backward: a monitor measuring there reports the previous step's clipped gradient
+(or, under accumulation, only the micro-batches outside the closure). ``training_step``
+calling ``self.net(x)`` never runs the LightningModule's own forward, which is what
+makes this easy to get wrong.
+
+The reference is ``lightning.pytorch.utilities.grad_norm`` in the hook Lightning calls
+after the closure and before clipping; gradmon's side is a real scrape of its endpoint
+after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.utilities import grad_norm
+from torch import nn
+
+from conftest import fresh, value
+
+STEPS = 6
+CLIP = 0.05
+REL = 1e-6
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.call = call
+        self.lightning_norms: List[Dict[str, float]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x) if self.call == "self" else self.net(x)
+        return (out - y).pow(2).mean()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Lightning calls this after the closure's backward and before gradient_clip_val
+        self.lightning_norms.append({k: v.item() for k, v in grad_norm(self, norm_type=2).items()})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class ScrapeAfterEachStep(pl.Callback):
+    """After each optimizer step: what gradmon's endpoint says, and the gradient the
+    optimizer actually used (after clipping)."""
+
+    def __init__(self, monitor) -> None:
+        self.monitor = monitor
+        self.scrapes: List[Dict] = []
+        self.clipped: List[float] = []
+        self._steps = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._steps:
+            return  # an accumulation micro-batch: no optimizer step yet
+        self._steps = trainer.global_step
+        self.scrapes.append(fresh(self.monitor))
+        grads = [p.grad.double().norm() for p in pl_module.parameters() if p.grad is not None]
+        self.clipped.append(torch.stack(grads).norm().item())
+
+
+def lightning_layer_norms(norms: Dict[str, float], layers) -> Dict[str, float]:
+    """Lightning reports one norm per parameter (``grad_2.0_norm/net.0.weight``); a
+    gradmon layer's norm is the root of its parameters' summed squares."""
+    out = {}
+    for layer in layers:
+        squares = [v * v for k, v in norms.items() if k.rpartition("/")[2].rpartition(".")[0] == layer]
+        out[layer] = math.sqrt(sum(squares))
+    return out
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("call", ["net", "self"])
+def test_norms_equal_lightnings_pre_clip_grad_norm_at_every_step(attach, call, accumulate):
+    torch.manual_seed(8)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * STEPS * accumulate, 8), 3 * torch.randn(8 * STEPS * accumulate, 4))
+    module = Regressor(call)
+    mon = attach(module)
+    seen = ScrapeAfterEachStep(mon)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, accumulate_grad_batches=accumulate,
+                         gradient_clip_val=CLIP, callbacks=[seen], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+
+    assert mon.layers == ("net.0", "net.2", "net.4")
+    assert len(module.lightning_norms) == len(seen.scrapes) == STEPS
+    for step, (want, s, clipped) in enumerate(zip(module.lightning_norms, seen.scrapes, seen.clipped)):
+        total = want["grad_2.0_norm_total"]
+        assert total > 4 * CLIP and math.isclose(clipped, CLIP, rel_tol=1e-3), \
+            f"step {step}: gradient_clip_val must really clip for this test to mean anything ({total} -> {clipped})"
+        assert value(s, "gradmon_steps_total") == step + 1
+        got = value(s, "gradmon_grad_global_norm")
+        assert math.isclose(got, total, rel_tol=REL), f"step {step}: gradmon says {got}, Lightning's grad_norm {total}"
+        for layer, layer_want in lightning_layer_norms(want, mon.layers).items():
+            layer_got = value(s, "gradmon_grad_norm", layer=layer)
+            assert math.isclose(layer_got, layer_want, rel_tol=REL), \
+                f"step {step}, layer {layer}: gradmon says {layer_got}, Lightning's grad_norm {layer_want}"
+    assert all(v == 0 for (name, _), v in seen.scrapes[-1].items() if name == "gradmon_hook_errors_total")
+    assert mon.coverage().measured_at_step == 0  # every step measured at the end of its backward
