@@ -81,6 +81,12 @@ PRODUCTION = Timing()
 TEST_SCALE = 1 / 60
 
 
+def _s(spec: M.MetricSpec) -> str:
+    """A metric's sample name as PromQL reads it (a counter's ends in _total). Every name a
+    rule or panel uses comes from the metric contract, so a rename cannot leave one behind."""
+    return M.exposed_names(spec)[0]
+
+
 def dur(seconds: float) -> str:
     """A Prometheus duration: whole minutes as "5m", anything else in seconds."""
     s = int(round(seconds))
@@ -89,31 +95,31 @@ def dur(seconds: float) -> str:
 
 # -- recording rules -------------------------------------------------------------------------------
 
-REC_GLOBAL_POST_WARMUP = "model_rank:gradmon_grad_global_norm:post_warmup"
-REC_GLOBAL_BASELINE = "model_rank:gradmon_grad_global_norm:median_baseline"
-REC_LAYER_POST_WARMUP = "model_rank_layer:gradmon_grad_norm:post_warmup"
-REC_LAYER_BASELINE = "model_rank_layer:gradmon_grad_norm:median_baseline"
-REC_LOCAL_MEDIAN = "job_model:gradmon_local_grad_global_norm:median"
-REC_LOCAL_MIN = "job_model:gradmon_local_grad_global_norm:min"
-REC_LOCAL_RANKS = "job_model:gradmon_local_grad_global_norm:count"
-REC_STEPS_RATE = "model_rank:gradmon_steps:rate1m"
-LOCAL_GLOBAL_NORM = "gradmon_local_grad_global_norm"  # issue 4's pre-all-reduce view
+REC_GLOBAL_POST_WARMUP = f"model_rank:{M.GRAD_GLOBAL_NORM.name}:post_warmup"
+REC_GLOBAL_BASELINE = f"model_rank:{M.GRAD_GLOBAL_NORM.name}:median_baseline"
+REC_LAYER_POST_WARMUP = f"model_rank_layer:{M.GRAD_NORM.name}:post_warmup"
+REC_LAYER_BASELINE = f"model_rank_layer:{M.GRAD_NORM.name}:median_baseline"
+REC_LOCAL_MEDIAN = f"job_model:{M.LOCAL_GRAD_GLOBAL_NORM.name}:median"
+REC_LOCAL_MIN = f"job_model:{M.LOCAL_GRAD_GLOBAL_NORM.name}:min"
+REC_LOCAL_RANKS = f"job_model:{M.LOCAL_GRAD_GLOBAL_NORM.name}:count"
+REC_STEPS_RATE = f"model_rank:{M.STEPS.name}:rate1m"
+LOCAL_GLOBAL_NORM = M.LOCAL_GRAD_GLOBAL_NORM.name  # issue 4's pre-all-reduce view
 
 
 def recording_rules(th: Thresholds, t: Timing) -> List[Dict[str, str]]:
-    post = f"(gradmon_steps_total > {th.warmup_steps})"
+    post = f"({_s(M.STEPS)} > {th.warmup_steps})"
     return [
-        {"record": REC_GLOBAL_POST_WARMUP, "expr": f"gradmon_grad_global_norm and {post}"},
+        {"record": REC_GLOBAL_POST_WARMUP, "expr": f"{M.GRAD_GLOBAL_NORM.name} and {post}"},
         {"record": REC_GLOBAL_BASELINE,
          "expr": f"quantile_over_time(0.5, {REC_GLOBAL_POST_WARMUP}[{dur(t.baseline_window)}] offset {dur(t.baseline_offset)})"},
         {"record": REC_LAYER_POST_WARMUP,
-         "expr": f"gradmon_grad_norm and on({TARGET}) {post}"},
+         "expr": f"{M.GRAD_NORM.name} and on({TARGET}) {post}"},
         {"record": REC_LAYER_BASELINE,
          "expr": f"quantile_over_time(0.5, {REC_LAYER_POST_WARMUP}[{dur(t.baseline_window)}] offset {dur(t.baseline_offset)})"},
         {"record": REC_LOCAL_MEDIAN, "expr": f"quantile by (job, model) (0.5, {LOCAL_GLOBAL_NORM})"},
         {"record": REC_LOCAL_MIN, "expr": f"min by (job, model) ({LOCAL_GLOBAL_NORM})"},
         {"record": REC_LOCAL_RANKS, "expr": f"count by (job, model) ({LOCAL_GLOBAL_NORM})"},
-        {"record": REC_STEPS_RATE, "expr": "rate(gradmon_steps_total[1m])"},
+        {"record": REC_STEPS_RATE, "expr": f"rate({_s(M.STEPS)}[1m])"},
     ]
 
 
@@ -138,7 +144,7 @@ def _last_state(states: Sequence[str], by: str, t: Timing) -> str:
     of ``states``. last_over_time, not max_over_time: one scrape just before the process exits
     is enough, and a target that reports ``training`` again (an elastic restart) clears it at
     once, where a max over the window would fire again when the restarted run ends."""
-    selector = f"gradmon_run_state{{state=~\"{'|'.join(states)}\"}}"
+    selector = f"{M.RUN_STATE.name}{{state=~\"{'|'.join(states)}\"}}"
     return f"max by ({by}) (last_over_time({selector}[{dur(t.history_window)}])) == 1"
 
 
@@ -149,9 +155,9 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
         Alert("GradmonNonFiniteGradients", "critical", "NaN/Inf gradients",
               "{{ $value | humanize }} NaN/Inf elements in the {{ $labels.tensor }} of layer {{ $labels.layer }} "
               f"({where}) in the last {dur(t.nonfinite_window)}.",
-              f"sum by ({TARGET}, layer, tensor) (increase(gradmon_nonfinite_total{{tensor=~\"grad|grad_flow\"}}[{dur(t.nonfinite_window)}])) > 0\n"
+              f"sum by ({TARGET}, layer, tensor) (increase({_s(M.NONFINITE)}{{tensor=~\"grad|grad_flow\"}}[{dur(t.nonfinite_window)}])) > 0\n"
               f"or\n"
-              f"label_replace(sum by ({TARGET}, layer) (increase(gradmon_local_nonfinite_total[{dur(t.nonfinite_window)}])), "
+              f"label_replace(sum by ({TARGET}, layer) (increase({_s(M.LOCAL_NONFINITE)}[{dur(t.nonfinite_window)}])), "
               f"\"tensor\", \"local_grad\", \"\", \"\") > 0",
               0),
         Alert("GradmonGradientExplosion", "critical", "Gradient norm exploding",
@@ -175,27 +181,27 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
         Alert("GradmonActivationBlowup", "warning", "Activations growing toward overflow",
               f"max|x| of layer {{{{ $labels.layer }}}}'s output is {{{{ $value | humanize }}}} ({where}), "
               f"above {th.activation_abs_max:g} (fp16 overflows at 65504).",
-              f"max by ({TARGET}, layer) (gradmon_activation_abs_max) > {th.activation_abs_max:g}",
+              f"max by ({TARGET}, layer) ({M.ACTIVATION_ABS_MAX.name}) > {th.activation_abs_max:g}",
               t.activation_for),
         Alert("GradmonTrainingStalled", "warning", "Training stalled",
               f"No optimizer step for {{{{ $value | humanizeDuration }}}} ({where}) while the run state is "
               f"\"training\" and the exporter is up.",
-              f"max by ({TARGET}) (time() - gradmon_last_step_timestamp_seconds)\n"
+              f"max by ({TARGET}) (time() - {M.LAST_STEP_TIMESTAMP.name})\n"
               f"  > {th.stall_seconds:g}\n"
-              f"and on({TARGET}) max by ({TARGET}) (gradmon_run_state{{state=\"training\"}}) == 1",
+              f"and on({TARGET}) max by ({TARGET}) ({M.RUN_STATE.name}{{state=\"training\"}}) == 1",
               t.stall_for),
         Alert("GradmonExporterDown", "critical", "A rank stopped reporting",
               f"Rank {{{{ $labels.rank }}}} of job {{{{ $labels.job }}}} (instance {{{{ $labels.instance }}}}) reported "
               f"in the last {dur(t.history_window)} and reports no more, without having finished: "
               "the process died, hung hard, or its pod is gone.",
-              f"(\n  max by ({TARGET}) (max_over_time(gradmon_steps_total[{dur(t.history_window)}]))\n"
-              f"  unless max by ({TARGET}) (gradmon_steps_total)\n)\nunless on({TARGET}) ({ended})",
+              f"(\n  max by ({TARGET}) (max_over_time({_s(M.STEPS)}[{dur(t.history_window)}]))\n"
+              f"  unless max by ({TARGET}) ({_s(M.STEPS)})\n)\nunless on({TARGET}) ({ended})",
               t.down_for),
         Alert("GradmonRanksMissing", "critical", "Fewer ranks report than the world size",
               "Only {{ $value }} ranks of job {{ $labels.job }} (model {{ $labels.model }}) report, fewer than "
               "its world size: some ranks never came up or their targets are missing.",
-              f"(\n  count by (job, model) (gradmon_steps_total)\n"
-              f"  < max by (job, model) (max_over_time(gradmon_world_size[{dur(t.history_window)}]))\n)\n"
+              f"(\n  count by (job, model) ({_s(M.STEPS)})\n"
+              f"  < max by (job, model) (max_over_time({M.WORLD_SIZE.name}[{dur(t.history_window)}]))\n)\n"
               f"unless on(job, model) ({_last_state(M.END_STATES, 'job, model', t)})",
               t.down_for),
         Alert("GradmonRunFailed", "critical", "A training run failed",
@@ -208,11 +214,11 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
         Alert("GradmonLossScaleCollapse", "warning", "AMP loss scale collapsing",
               f"The GradScaler skipped most steps or its loss scale fell below {th.amp_min_loss_scale:g} ({where}): "
               "persistent overflow, the run is not learning. Value: {{ $value | humanize }}.",
-              f"(\n  sum by ({TARGET}) (increase(gradmon_amp_skipped_steps_total[{dur(t.amp_window)}]))\n"
+              f"(\n  sum by ({TARGET}) (increase({_s(M.AMP_SKIPPED_STEPS)}[{dur(t.amp_window)}]))\n"
               f"  > {th.amp_skip_fraction:g} * (\n"
-              f"    sum by ({TARGET}) (increase(gradmon_amp_skipped_steps_total[{dur(t.amp_window)}]))\n"
-              f"    + sum by ({TARGET}) (increase(gradmon_steps_total[{dur(t.amp_window)}]))\n  )\n)\n"
-              f"or\nmin by ({TARGET}) (gradmon_amp_loss_scale) < {th.amp_min_loss_scale:g}",
+              f"    sum by ({TARGET}) (increase({_s(M.AMP_SKIPPED_STEPS)}[{dur(t.amp_window)}]))\n"
+              f"    + sum by ({TARGET}) (increase({_s(M.STEPS)}[{dur(t.amp_window)}]))\n  )\n)\n"
+              f"or\nmin by ({TARGET}) ({M.AMP_LOSS_SCALE.name}) < {th.amp_min_loss_scale:g}",
               t.amp_for),
         Alert("GradmonRankDivergence", "warning", "One rank's local gradient diverges",
               f"Rank {{{{ $labels.rank }}}}'s local (pre-all-reduce) gradient norm is {{{{ $value | humanize }}}}, "
@@ -358,12 +364,12 @@ def _dashboard(uid: str, title: str, panels: List[Dict[str, Any]], with_layer: b
     variables = [
         {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
          "current": {}, "hide": 0},
-        _var("job", "label_values(gradmon_info, job)", "job"),
-        _var("model", 'label_values(gradmon_info{job=~"$job"}, model)', "model"),
-        _var("rank", 'label_values(gradmon_info{job=~"$job", model=~"$model"}, rank)', "rank"),
+        _var("job", f"label_values({M.INFO.name}, job)", "job"),
+        _var("model", f'label_values({M.INFO.name}{{job=~"$job"}}, model)', "model"),
+        _var("rank", f'label_values({M.INFO.name}{{job=~"$job", model=~"$model"}}, rank)', "rank"),
     ]
     if with_layer:
-        variables.append(_var("layer", 'label_values(gradmon_grad_norm{job=~"$job", model=~"$model"}, layer)', "layer"))
+        variables.append(_var("layer", f'label_values({M.GRAD_NORM.name}{{job=~"$job", model=~"$model"}}, layer)', "layer"))
     return {
         "uid": uid, "title": title, "tags": ["gradmon"], "timezone": "browser", "schemaVersion": 39,
         "editable": True, "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
@@ -378,55 +384,55 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
     red, orange = "red", "orange"
     overview = _dashboard("gradmon-overview", "gradmon / Overview", [
         _panel(1, "Global gradient norm (pre-clip)", "timeseries", (0, 0, 12, 8),
-               [(f"gradmon_grad_global_norm{{{SEL}}}", "{{job}} rank {{rank}}")], log=True,
+               [(f"{M.GRAD_GLOBAL_NORM.name}{{{SEL}}}", "{{job}} rank {{rank}}")], log=True,
                thresholds=[("green", None), (red, th.explode_abs)],
                description="Per rank; the red line is the explosion threshold of GradmonGradientExplosion."),
         _panel(2, "Non-finite elements / s", "timeseries", (12, 0, 12, 8),
-               [(f"sum by (job, rank, tensor) (rate(gradmon_nonfinite_total{{{SEL}}}[$__rate_interval]))",
+               [(f"sum by (job, rank, tensor) (rate({_s(M.NONFINITE)}{{{SEL}}}[$__rate_interval]))",
                  "{{job}} rank {{rank}} {{tensor}}")], thresholds=[("green", None), (red, 0)]),
         _panel(3, "Steps / s", "timeseries", (0, 8, 8, 6),
-               [(f"sum by (job, rank) (rate(gradmon_steps_total{{{SEL}}}[$__rate_interval]))", "{{job}} rank {{rank}}")]),
+               [(f"sum by (job, rank) (rate({_s(M.STEPS)}{{{SEL}}}[$__rate_interval]))", "{{job}} rank {{rank}}")]),
         _panel(4, "Time since last step", "stat", (8, 8, 8, 6),
-               [(f"max by (job) (time() - gradmon_last_step_timestamp_seconds{{{SEL}}})", "{{job}}")], unit="s",
+               [(f"max by (job) (time() - {M.LAST_STEP_TIMESTAMP.name}{{{SEL}}})", "{{job}}")], unit="s",
                thresholds=[("green", None), (orange, th.stall_seconds / 2), (red, th.stall_seconds)]),
         _panel(5, "Firing gradmon alerts", "table", (16, 8, 8, 6),
                [('sum by (alertname, job, rank, layer) (ALERTS{alertstate="firing", alertname=~"Gradmon.*", job=~"$job"})',
                  "{{alertname}}")], instant=True, fmt="table",
                description="Empty when healthy (Prometheus' ALERTS series)."),
         _panel(6, "Per-rank health", "table", (0, 14, 24, 8),
-               [(f"max by (job, rank) (gradmon_grad_global_norm{{{SEL}}})", "norm"),
-                (f"sum by (job, rank) (increase(gradmon_nonfinite_total{{{SEL}}}[1h]))", "nonfinite 1h"),
-                (f"max by (job, rank) (time() - gradmon_last_step_timestamp_seconds{{{SEL}}})", "since step"),
-                (f"max by (job, rank) (gradmon_step{{{SEL}}})", "step")], instant=True, fmt="table"),
+               [(f"max by (job, rank) ({M.GRAD_GLOBAL_NORM.name}{{{SEL}}})", "norm"),
+                (f"sum by (job, rank) (increase({_s(M.NONFINITE)}{{{SEL}}}[1h]))", "nonfinite 1h"),
+                (f"max by (job, rank) (time() - {M.LAST_STEP_TIMESTAMP.name}{{{SEL}}})", "since step"),
+                (f"max by (job, rank) ({M.STEP.name}{{{SEL}}})", "step")], instant=True, fmt="table"),
         _panel(7, "Global norm distribution (every step)", "heatmap", (0, 22, 24, 8),
-               [(f"sum by (le) (increase(gradmon_grad_global_norm_distribution_bucket{{{SEL}}}[$__rate_interval]))", "{{le}}")],
+               [(f"sum by (le) (increase({M.GRAD_GLOBAL_NORM_DISTRIBUTION.name}_bucket{{{SEL}}}[$__rate_interval]))", "{{le}}")],
                fmt="heatmap", description="From the cumulative histogram: catches a one-step spike between scrapes."),
     ], with_layer=False)
     layers = _dashboard("gradmon-layers", "gradmon / Layers", [
         _panel(1, "Gradient norm by layer", "timeseries", (0, 0, 24, 9),
-               [(f"gradmon_grad_norm{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
+               [(f"{M.GRAD_NORM.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
                thresholds=[("green", None), (red, th.explode_abs)]),
         _panel(2, "Gradient norm across layers (now)", "bargauge", (0, 9, 12, 10),
-               [(f"max by (layer) (gradmon_grad_norm{{{LSEL}}})", "{{layer}}")], instant=True),
+               [(f"max by (layer) ({M.GRAD_NORM.name}{{{LSEL}}})", "{{layer}}")], instant=True),
         _panel(3, "Top 5 largest layer gradients", "table", (12, 9, 6, 10),
-               [(f"topk(5, max by (layer) (gradmon_grad_norm{{{LSEL}}}))", "{{layer}}")], instant=True, fmt="table"),
+               [(f"topk(5, max by (layer) ({M.GRAD_NORM.name}{{{LSEL}}}))", "{{layer}}")], instant=True, fmt="table"),
         _panel(4, "Top 5 smallest layer gradients", "table", (18, 9, 6, 10),
-               [(f"bottomk(5, min by (layer) (gradmon_grad_norm{{{LSEL}}}))", "{{layer}}")], instant=True, fmt="table",
+               [(f"bottomk(5, min by (layer) ({M.GRAD_NORM.name}{{{LSEL}}}))", "{{layer}}")], instant=True, fmt="table",
                description=f"Vanishing below {th.vanish_abs:g} (or {th.vanish_rel:g}x baseline) pages."),
         _panel(5, "Gradient flow by depth (norm of d loss / d output)", "timeseries", (0, 19, 24, 8),
-               [(f"gradmon_grad_flow_norm{{{LSEL}}}", "{{layer}}")], log=True),
+               [(f"{M.GRAD_FLOW_NORM.name}{{{LSEL}}}", "{{layer}}")], log=True),
         _panel(6, "Activation RMS by layer", "timeseries", (0, 27, 12, 8),
-               [(f"gradmon_activation_rms{{{LSEL}}}", "{{layer}}")], log=True),
+               [(f"{M.ACTIVATION_RMS.name}{{{LSEL}}}", "{{layer}}")], log=True),
         _panel(7, "Activation max |x| by layer", "timeseries", (12, 27, 12, 8),
-               [(f"gradmon_activation_abs_max{{{LSEL}}}", "{{layer}}")], log=True,
+               [(f"{M.ACTIVATION_ABS_MAX.name}{{{LSEL}}}", "{{layer}}")], log=True,
                thresholds=[("green", None), (red, th.activation_abs_max)]),
         _panel(8, "Non-finite elements by layer (1h)", "table", (0, 35, 24, 8),
-               [(f"sum by (layer, tensor, kind) (increase(gradmon_nonfinite_total{{{LSEL}}}[1h]))", "{{layer}}")],
+               [(f"sum by (layer, tensor, kind) (increase({_s(M.NONFINITE)}{{{LSEL}}}[1h]))", "{{layer}}")],
                instant=True, fmt="table"),
     ], with_layer=True)
     ranks = _dashboard("gradmon-ranks", "gradmon / Ranks", [
         _panel(1, "Global gradient norm by rank", "timeseries", (0, 0, 12, 8),
-               [(f"gradmon_grad_global_norm{{{SEL}}}", "rank {{rank}}")], log=True),
+               [(f"{M.GRAD_GLOBAL_NORM.name}{{{SEL}}}", "rank {{rank}}")], log=True),
         _panel(2, "Local (pre-all-reduce) norm by rank", "timeseries", (12, 0, 12, 8),
                [(f"{LOCAL_GLOBAL_NORM}{{{SEL}}}", "rank {{rank}}")], log=True,
                description="Each rank's own gradient before DDP's all-reduce; a bad rank stands out here."),
@@ -434,13 +440,13 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
                [(f"max by (job, model) ({LOCAL_GLOBAL_NORM}{{{SEL}}}) / on(job, model) {REC_LOCAL_MEDIAN}{{job=~\"$job\", model=~\"$model\"}}",
                  "{{job}}")], thresholds=[("green", None), (red, th.divergence_factor)]),
         _panel(4, "NaN/Inf by rank", "timeseries", (12, 8, 12, 8),
-               [(f"sum by (rank) (rate(gradmon_nonfinite_total{{{SEL}}}[$__rate_interval]))", "rank {{rank}}")]),
+               [(f"sum by (rank) (rate({_s(M.NONFINITE)}{{{SEL}}}[$__rate_interval]))", "rank {{rank}}")]),
         _panel(5, "Resident memory by rank", "timeseries", (0, 16, 12, 8),
-               [(f"gradmon_process_resident_memory_bytes{{{PSEL}}}", "rank {{rank}}")], unit="bytes"),
+               [(f"{M.PROCESS_RESIDENT_MEMORY.name}{{{PSEL}}}", "rank {{rank}}")], unit="bytes"),
         _panel(6, "CPU by rank", "timeseries", (12, 16, 12, 8),
-               [(f"rate(gradmon_process_cpu_seconds_total{{{PSEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
+               [(f"rate({_s(M.PROCESS_CPU_SECONDS)}{{{PSEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
         _panel(7, "gradmon overhead share of wall time", "timeseries", (0, 24, 24, 6),
-               [(f"rate(gradmon_overhead_seconds_total{{{SEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
+               [(f"rate({_s(M.OVERHEAD_SECONDS)}{{{SEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
     ], with_layer=False)
     return {"overview": overview, "layers": layers, "ranks": ranks}
 
