@@ -256,13 +256,16 @@ class Recorder:
             self._accumulated = True
             self._enter_backward()
             if self._at[S.LOCAL_GRAD] and p.grad is not None:
-                g = sharded.local(p.grad)
-                for st in self._at[S.LOCAL_GRAD]:
-                    self._records[st.name].add(param, g.numel(), st.record(g))
+                self._record(S.LOCAL_GRAD, param, sharded.local(p.grad))
         except Exception as exc:
             self.errors.record("backward", exc)
         finally:
             self.overhead += perf_counter() - t0
+
+    def _record(self, at: str, key: int, t: torch.Tensor) -> None:
+        """One record of every statistic recorded at ``at``, of the tensor ``t``."""
+        for st in self._at[at]:
+            self._records[st.name].add(key, t.numel(), st.record(t))
 
     # -- forward / grad flow -------------------------------------------------------
 
@@ -285,8 +288,7 @@ class Recorder:
             for t in iter_tensors(output):
                 if not is_floating(t) or t.numel() == 0:
                     continue
-                for st in self._at[S.OUTPUT]:
-                    self._records[st.name].add(layer, t.numel(), st.record(t))
+                self._record(S.OUTPUT, layer, t)
                 if self._at[S.OUTPUT_GRAD] and t.requires_grad:
                     t.register_hook(partial(self.on_grad_flow, layer))
         except Exception as exc:
@@ -300,8 +302,7 @@ class Recorder:
         t0 = perf_counter()
         try:
             self._enter_backward()
-            for st in self._at[S.OUTPUT_GRAD]:
-                self._records[st.name].add(layer, grad.numel(), st.record(grad))
+            self._record(S.OUTPUT_GRAD, layer, grad)
         except Exception as exc:
             self.errors.record("grad_flow", exc)
         finally:
