@@ -92,7 +92,8 @@ def add_view(fam: _Families, view: ExportView) -> None:
                         (M.LAST_STEP_TIMESTAMP, s.last_step_time),
                         (M.GROUPED_LAYERS, s.grouped_layers), (M.AMP_SKIPPED_STEPS, s.amp_skipped_steps),
                         (M.AMP_LOSS_SCALE, s.amp_loss_scale),
-                        (M.NONFINITE_STEPS, s.nonfinite_steps), (M.OVERHEAD_SECONDS, view.overhead_seconds)):
+                        (M.NONFINITE_STEPS, s.nonfinite_steps), (M.GRAD_NORM_OVERFLOW_STEPS, s.norm_overflow_steps),
+                        (M.OVERHEAD_SECONDS, view.overhead_seconds)):
         if value is not None:
             fam.add(spec, base, value)
     for spec, value in s.totals.items():

@@ -19,7 +19,9 @@
   step, whichever module's forward the user called.
 * Global optimizer step hooks close the step: one packet, one device-to-host copy.
 
-Between detail steps (``detail_every``) the forward hooks return at once. Nothing here
+Between detail steps (``detail_every``) the layers' forward hooks return at once; the
+hooks on the root module and its direct children record two extremes of their values
+every step (where a NaN entered). Nothing here
 reads a device value on the host.
 """
 
@@ -156,7 +158,7 @@ class Recorder:
         self.statistics = tuple(statistics)
         self._at: Dict[str, Tuple[Statistic, ...]] = {
             at: tuple(st for st in self.statistics if st.at == at)
-            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD)}
+            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK)}
         self.errors = errors
         self.publish = publish
         self._slots: List[Tuple[weakref.ref, str]] = []
@@ -180,6 +182,7 @@ class Recorder:
         self.steps = 0
         self.step_offset = 0
         self.detail_now = True
+        self.blocks = 0  # the root module's direct children: BLOCK keys 1..blocks
         # PARAM_GRAD statistics of this step: name -> (rows, parameter and numel of each row)
         self._batched: Dict[str, Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]] = {}
         self._task = -2  # graph task whose end-of-backward callback is queued
@@ -269,28 +272,57 @@ class Recorder:
 
     # -- forward / grad flow -------------------------------------------------------
 
+    def _training_forward(self, module: nn.Module) -> bool:
+        return self.active and module.training and torch.is_grad_enabled() and not _recomputed_twice()
+
+    def _record_forward(self, at: str, key: int, values: Any, grad_flow: bool = False) -> None:
+        for t in iter_tensors(values):
+            if not is_floating(t) or t.numel() == 0:
+                continue
+            self._record(at, key, t)
+            if grad_flow and t.requires_grad:
+                t.register_hook(partial(self.on_grad_flow, key))
+
     @torch._dynamo.disable
-    def on_root_forward_pre(self, module: nn.Module, inputs: Any) -> None:
-        """A forward whose root never returned (it raised) left records: drop them."""
-        if self.active:
-            for records in self._each_records(S.OUTPUT):
-                records.drop_pending()
+    def on_root_forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A forward whose root never returned (it raised) left records: drop them. The
+        batch's own values are the first block record (key 0): a NaN that came with the
+        data is named ``input``, not blamed on the first layer that passed it on."""
+        if not self.active:
+            return
+        for records in self._each_records(S.OUTPUT, S.BLOCK):
+            records.drop_pending()
+        t0 = perf_counter()
+        try:
+            if self._at[S.BLOCK] and self._training_forward(module):
+                self._record_forward(S.BLOCK, 0, (args, kwargs))
+        except Exception as exc:
+            self.errors.record("forward", exc)
+        finally:
+            self.overhead += perf_counter() - t0
+
+    def on_block(self, block: int, module: nn.Module, inputs: Any, output: Any) -> None:
+        """A direct child of the root module returned: one small reduction, every step."""
+        if _compiling():
+            return
+        t0 = perf_counter()
+        try:
+            if self._training_forward(module):
+                self._record_forward(S.BLOCK, block, output)
+        except Exception as exc:
+            self.errors.record("forward", exc)
+        finally:
+            self.overhead += perf_counter() - t0
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
         if _compiling():
             return
-        if not (self.detail_now and self.active and module.training and torch.is_grad_enabled()):
+        if not self.detail_now:
             return
         t0 = perf_counter()
         try:
-            if _recomputed_twice():
-                return
-            for t in iter_tensors(output):
-                if not is_floating(t) or t.numel() == 0:
-                    continue
-                self._record(S.OUTPUT, layer, t)
-                if self._at[S.OUTPUT_GRAD] and t.requires_grad:
-                    t.register_hook(partial(self.on_grad_flow, layer))
+            if self._training_forward(module):
+                self._record_forward(S.OUTPUT, layer, output, grad_flow=bool(self._at[S.OUTPUT_GRAD]))
         except Exception as exc:
             self.errors.record("forward", exc)
         finally:
@@ -316,7 +348,12 @@ class Recorder:
         forward, not inside it), so end-of-backward measurement works under compile."""
         if not self.active:
             return
-        for records in self._each_records(S.OUTPUT):
+        try:
+            if self._at[S.BLOCK] and self._training_forward(module):
+                self._record_forward(S.BLOCK, self.blocks + 1, output)
+        except Exception as exc:
+            self.errors.record("forward", exc)
+        for records in self._each_records(S.OUTPUT, S.BLOCK):
             records.commit()
         if not torch.is_grad_enabled():
             return
@@ -583,13 +620,18 @@ class HookSet:
     def __init__(self) -> None:
         self._handles: List[Any] = []
 
-    def install(self, recorder: Recorder, root: nn.Module, layers: Sequence[Layer], cfg: Config) -> None:
+    def install(self, recorder: Recorder, root: nn.Module, layers: Sequence[Layer], cfg: Config,
+                blocks: Sequence[nn.Module] = ()) -> None:
         try:
             if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD):
                 for layer in layers:
                     self._handles.append(layer.module.register_forward_hook(
                         partial(recorder.on_forward, layer.index)))
-            self._handles.append(root.register_forward_pre_hook(recorder.on_root_forward_pre))
+            if recorder.statistics_at(S.BLOCK):
+                recorder.blocks = len(blocks)
+                for key, block in enumerate(blocks, start=1):
+                    self._handles.append(block.register_forward_hook(partial(recorder.on_block, key)))
+            self._handles.append(root.register_forward_pre_hook(recorder.on_root_forward_pre, with_kwargs=True))
             self._handles.append(root.register_forward_hook(recorder.on_root_forward))
             if recorder.scaler is not None:
                 self._handles.append(amp.UpdateHook(recorder.scaler, recorder.on_scaler_update))

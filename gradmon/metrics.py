@@ -22,6 +22,11 @@ TENSOR_GRAD = "grad"
 TENSOR_GRAD_FLOW = "grad_flow"
 TENSOR_ACTIVATION = "activation"
 TENSOR_KINDS: Tuple[str, ...] = (TENSOR_GRAD, TENSOR_GRAD_FLOW, TENSOR_ACTIVATION)
+#: ``tensor`` label of the origin series that names a top-level block (or ``input``).
+TENSOR_BLOCK = "block"
+#: ``layer`` label values of that series besides the root module's children.
+BLOCK_INPUT = "input"
+BLOCK_OUTPUT = "output"
 NONFINITE_KINDS: Tuple[str, ...] = ("nan", "inf")
 
 #: Families (the ``family`` label of coverage metrics, and config switches).
@@ -84,8 +89,13 @@ ACTIVATION_ABS_MAX = _spec("activation_abs_max", "gauge", ("layer",),
 NONFINITE = _spec("nonfinite", "counter", ("layer", "tensor", "kind"),
                   "Non-finite (NaN or Inf) elements seen, by layer, tensor and kind.")
 NONFINITE_ORIGIN = _spec("nonfinite_origin_step", "gauge", ("tensor", "layer"),
-                         "Global step of the latest non-finite incident, on the layer where it started: first in "
-                         "forward order for tensor=activation, first in backward order for tensor=grad.")
+                         "First step of the latest run of steps with non-finite gradients, on where it started: the "
+                         "first top-level block (or input) in forward order whose output carried new non-finite "
+                         "values for tensor=block, the first layer in forward order for tensor=activation (detail "
+                         "steps), the first in backward order for tensor=grad.")
+GRAD_NORM_OVERFLOW_STEPS = _spec("grad_norm_overflow_steps", "counter", (),
+                                 "Steps whose global gradient norm overflowed to +Inf while every gradient element "
+                                 "was finite (counted in the histogram's +Inf bucket, never in its _sum).")
 GROUPED_LAYERS = _spec("grouped_layers", "gauge", (),
                        "Layers merged into module-name-prefix groups to stay within series_budget (0: none).")
 AMP_SKIPPED_STEPS = _spec("amp_skipped_steps", "counter", (),

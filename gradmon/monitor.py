@@ -249,6 +249,7 @@ class Monitor:
         self._labels = {"model": self.name, "rank": str(self.rank.rank), **cfg.labels}
         local_view = cfg.local_view if cfg.local_view is not None else is_ddp(model)
         statistics = S.enabled(cfg, local_view=local_view)
+        blocks = list(inner.named_children())
         recorder = Recorder(layers, cfg, self._errors, self._publish, statistics)
         grouping = group_layers(self._layer_names, S.series_per_layer(statistics), cfg.series_budget)
         if grouping.grouped_layers:
@@ -260,7 +261,8 @@ class Monitor:
             local_view or recorder.sharded)
         aggregator = Aggregator(grouping.names, recorder.param_layer, statistics, self.name, grouping.of_layer,
                                 self.rank.rank, self._on_incident, amp=cfg.scaler is not None,
-                                tied={layer.index: layer.tied_to for layer in layers if layer.tied_to})
+                                tied={layer.index: layer.tied_to for layer in layers if layer.tied_to},
+                                block_names=(M.BLOCK_INPUT, *(name for name, _ in blocks), M.BLOCK_OUTPUT))
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried
@@ -270,7 +272,7 @@ class Monitor:
         self._join_endpoint(port)  # ValueError (TLS files, settings) before any hook exists
         self._recorder = recorder
         self._publisher = Publisher(aggregator, self._errors, self.name)
-        self._hooks.install(recorder, model, layers, cfg)
+        self._hooks.install(recorder, model, layers, cfg, [block for _, block in blocks])
         self._state = self._state if self._state == "server_failed" else "running"
         _CARRIED.pop(self._carry_key(), None)  # now in this monitor's counters
         if self._endpoint is not None:
@@ -292,8 +294,10 @@ class Monitor:
     def _on_incident(self, incident: NonFiniteIncident, starts: bool) -> None:
         """Publisher thread: one log line per run of non-finite steps, and the user's callback."""
         if starts or self.config.log_every_incident:
-            log.warning("gradmon[%s]: non-finite values on rank %d at step %d: gradient first in layer %s, "
-                        "activation first in layer %s", incident.model, incident.rank, incident.step,
+            log.warning("gradmon[%s]: non-finite values on rank %d at step %d: started at step %s in %s, "
+                        "gradient first in layer %s, activation first in layer %s",
+                        incident.model, incident.rank, incident.step,
+                        incident.origin_step if incident.origin_step is not None else "-", incident.block or "-",
                         incident.grad_layer or "-", incident.activation_layer or "-")
         if starts and self.config.on_nonfinite is not None:
             try:

@@ -63,6 +63,13 @@ class NonFiniteIncident:
     """First layer in backward order whose gradient (flow or parameter) went non-finite."""
     activation_layer: Optional[str]
     """First layer in forward order whose output went non-finite (detail steps only)."""
+    block: Optional[str] = None
+    """Where the run started, every step: ``input`` when the batch itself carried new
+    non-finite values, else the first of the root module's direct children in forward
+    order whose output did (``output``: the root's own code after its children)."""
+    origin_step: Optional[int] = None
+    """The run's first step, whose origin every later step of the run repeats (the
+    weights are poisoned after it: everything is non-finite everywhere)."""
 
 
 @dataclass(frozen=True, eq=False)  # eq=False keeps Mapping's ==, so it still equals a plain dict
@@ -125,6 +132,7 @@ class Snapshot:
     histogram_count: int = 0
     uncovered: Tuple[Tuple[str, int], ...] = ()  # family, layers it cannot observe
     nonfinite_origin: Tuple[Tuple[str, str, int], ...] = ()  # tensor, layer, global step
+    norm_overflow_steps: int = 0
     grouped_layers: int = 0
     amp_skipped_steps: Optional[int] = None  # None: no scaler given
     amp_loss_scale: Optional[float] = None
@@ -160,18 +168,28 @@ class _Folded:
         self.norms = [j for j, c in enumerate(columns) if c.fold == S.NORM]
         self.sums = [j for j, c in enumerate(columns) if c.fold == S.SUM]
         self.peaks = [j for j, c in enumerate(columns) if c.fold == S.ABSMAX]
+        self.lows = [j for j, c in enumerate(columns) if c.fold == S.MIN]
+        self.highs = [j for j, c in enumerate(columns) if c.fold == S.MAX]
+        self.lo = stat.index("lo") if stat.forward and stat.origin else -1
+        self.hi = stat.index("hi") if stat.forward and stat.origin else -1
         self.names = [c.name for c in columns]
 
     def combine(self, acc: Optional[List[float]], row: Sequence[float], numel: int) -> List[float]:
         """Fold one record into a layer's accumulator (NORM columns as squares, numel last)."""
         if acc is None:
             acc = [0.0] * (len(row) + 1)
+            for j in self.lows + self.highs:
+                acc[j] = row[j]
         for j in self.norms:
             acc[j] += row[j] * row[j]
         for j in self.sums:
             acc[j] += row[j]
         for j in self.peaks:
             acc[j] = S.merge_max(acc[j], abs(row[j]))
+        for j in self.lows:
+            acc[j] = S.merge_min(acc[j], row[j])
+        for j in self.highs:
+            acc[j] = S.merge_max(acc[j], row[j])
         acc[-1] += numel
         return acc
 
@@ -190,11 +208,12 @@ class Aggregator:
                  statistics: Sequence[Statistic], model: str,
                  layer_group: Optional[Sequence[int]] = None, rank: int = 0,
                  on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False,
-                 tied: Optional[Mapping[int, str]] = None) -> None:
+                 tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = ()) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index; ``tied`` maps a recorder layer without parameters of
-        its own to the module that owns them."""
+        its own to the module that owns them; ``block_names`` names the BLOCK records'
+        keys (``input``, the root's children, ``output``)."""
         self.layer_names = tuple(layer_names)
         self.layer_group = tuple(layer_group) if layer_group is not None else tuple(range(len(layer_names)))
         self.param_layer = tuple(self.layer_group[layer] for layer in param_layer)
@@ -207,8 +226,14 @@ class Aggregator:
         self.rank = rank
         self.amp = amp
         self.on_incident = on_incident
-        self.origin: Dict[str, Tuple[int, int]] = {}  # tensor -> (layer, global step)
+        self.block_names = tuple(block_names)
+        self.origin: Dict[str, Tuple[str, int]] = {}  # tensor -> (layer or block, global step)
         self._in_incident = False
+        self._in_grad_run = False
+        # (tensor, key) -> non-finite kinds its forward values held on the last step whose
+        # gradients were finite: a -Inf a float mask always carries is no step's origin.
+        self._baseline: Dict[Tuple[str, int], int] = {}
+        self.norm_overflow_steps = 0
         self.statistics = tuple(statistics)
         self.families = tuple(st.coverage for st in self.statistics if st.coverage)  # enabled families
         self._model = model
@@ -237,7 +262,7 @@ class Aggregator:
         names = self.layer_names
         return {
             "steps_total": self.steps_total, "nonfinite_steps": self.nonfinite_steps,
-            "amp_skipped_steps": self.amp_skipped_steps,
+            "amp_skipped_steps": self.amp_skipped_steps, "norm_overflow_steps": self.norm_overflow_steps,
             "histogram": (tuple(self.bucket_counts), self.hist_sum, self.hist_count),
             "nonfinite": {(stat, names[i], k): cell[k] for stat, f in self.folded.items() if f.cells
                           for i, cell in enumerate(f.cells) for k in range(2) if cell[k]},
@@ -250,6 +275,7 @@ class Aggregator:
         self.steps_total += saved["steps_total"]  # type: ignore[operator]
         self.nonfinite_steps += saved["nonfinite_steps"]  # type: ignore[operator]
         self.amp_skipped_steps += saved["amp_skipped_steps"]  # type: ignore[operator]
+        self.norm_overflow_steps += saved.get("norm_overflow_steps", 0)  # type: ignore[operator]
         buckets, hist_sum, hist_count = saved["histogram"]  # type: ignore[misc]
         self.bucket_counts = [a + b for a, b in zip(self.bucket_counts, buckets)]
         self.hist_sum += hist_sum
@@ -281,6 +307,8 @@ class Aggregator:
         if packet.amp_scale:
             self.amp_loss_scale = values[-1]
         self._step_origin: Dict[str, int] = {}
+        self._flags: Dict[Tuple[str, int], int] = {}
+        self._grads_bad = False
         any_bad = False
         for stat, section, rows in S.read(values, packet.sections):
             any_bad |= self._fold(self.folded[stat.name], section, rows, packet.sampled)
@@ -292,27 +320,49 @@ class Aggregator:
             self._log_gaps_once()
 
     def _incident(self, bad: bool, step: int) -> None:
-        origin = self._step_origin
-        for tensor, layer in origin.items():
-            self.origin[tensor] = (layer, step)
+        # The origin is decided on the first step of a run of steps with non-finite
+        # gradients and kept until a finite step ends the run: after it the weights are
+        # poisoned and every later step is non-finite everywhere.
+        if not self._grads_bad:
+            self._baseline.update(self._flags)
+        elif not self._in_grad_run:
+            self.origin = {tensor: (name, step) for tensor, name in self._step_origins().items()}
+        self._in_grad_run = self._grads_bad
         starts = bad and not self._in_incident
         self._in_incident = bad
         if bad and self.on_incident is not None:
-            name = lambda t: self.layer_names[origin[t]] if t in origin else None  # noqa: E731
+            origin = self.origin if self._grads_bad else {}
+            name = lambda t: origin[t][0] if t in origin else None  # noqa: E731
+            first = min((s for _, s in origin.values()), default=None)
             self.on_incident(NonFiniteIncident(self._model, self.rank, step, name(M.TENSOR_GRAD),
-                                               name(M.TENSOR_ACTIVATION)), starts)
+                                               name(M.TENSOR_ACTIVATION), name(M.TENSOR_BLOCK), first), starts)
 
-    def _mark_origin(self, tensor: str, layer: int, backward: bool) -> None:
-        """Keep the first layer in forward order (activations) or backward order (gradients)."""
+    def _step_origins(self) -> Dict[str, str]:
+        """This step's origin per ``tensor``: gradients first in backward order; forward
+        values first in forward order among those holding a kind of non-finite value they
+        did not hold on the last finite step."""
+        out = {tensor: self.layer_names[layer] for tensor, layer in self._step_origin.items()}
+        new: Dict[str, int] = {}
+        for (tensor, key), flags in self._flags.items():
+            if flags & ~self._baseline.get((tensor, key), 0) and (tensor not in new or key < new[tensor]):
+                new[tensor] = key
+        for tensor, key in new.items():
+            out[tensor] = self.block_names[key] if tensor == M.TENSOR_BLOCK else self.layer_names[key]
+        return out
+
+    def _mark_origin(self, tensor: str, layer: int) -> None:
+        """Keep the first layer in backward order."""
         known = self._step_origin.get(tensor)
-        if known is None or (layer > known if backward else layer < known):
+        if known is None or layer > known:
             self._step_origin[tensor] = layer
 
-    def _count(self, cells: List[List[int]], layer: int, nan: float, inf: float, origin: Optional[str]) -> bool:
+    def _count(self, cells: List[List[int]], layer: int, nan: float, inf: float, origin: Optional[str],
+               forward: bool) -> bool:
         if not (nan or inf):
             return False
-        if origin is not None:
-            self._mark_origin(origin, layer, backward=origin != M.TENSOR_ACTIVATION)
+        if origin is not None and not forward:
+            self._grads_bad = True
+            self._mark_origin(origin, layer)
         cells[layer][0] += int(nan)
         cells[layer][1] += int(inf)
         return True
@@ -324,17 +374,26 @@ class Aggregator:
         acc: Dict[int, List[float]] = {}
         bad = False
         for key, numel, row in zip(section.keys, section.numels, rows):
-            layer = self.param_layer[key] if stat.by_parameter else self.layer_group[key]
+            layer = self._slot(stat, key)
             acc[layer] = f.combine(acc.get(layer), row, numel)
+            if f.lo >= 0:
+                flags = S.nonfinite_flags(row[f.lo], row[f.hi])
+                if flags:
+                    self._flags[(stat.origin, layer)] = self._flags.get((stat.origin, layer), 0) | flags
+                else:
+                    self._flags.setdefault((stat.origin, layer), 0)
             if f.cells is not None:
-                bad |= self._count(f.cells, layer, row[f.nan], row[f.inf], stat.origin)
+                bad |= self._count(f.cells, layer, row[f.nan], row[f.inf], stat.origin, stat.forward)
         if stat.coverage:
             self.seen[stat.coverage].update(acc)
         if stat.total is not None:
             j = f.norms[0]
             f.total = math.sqrt(sum(a[j] for a in acc.values()))
+            # every element finite and yet an infinite norm: float32's range, not a NaN incident
+            overflow = f.total == math.inf and not bad
+            self.norm_overflow_steps += overflow and stat.histogram is not None
             if stat.histogram is not None:
-                self._observe(f.total)
+                self._observe(f.total, overflow)
         if sampled or not stat.sampled:
             for layer, a in acc.items():
                 columns = f.columns(a)
@@ -342,9 +401,19 @@ class Aggregator:
                     f.gauges[gauge.spec.name][layer] = gauge.value(columns)
         return bad
 
-    def _observe(self, norm: float) -> None:
-        # A non-finite norm is already counted by the non-finite counters; observing it
-        # would turn _sum into Inf/NaN for the rest of the process.
+    def _slot(self, stat: Statistic, key: int) -> int:
+        """The (grouped) layer, or the block, a record's key stands for."""
+        if stat.at == S.BLOCK:
+            return key
+        return self.param_layer[key] if stat.by_parameter else self.layer_group[key]
+
+    def _observe(self, norm: float, overflow: bool) -> None:
+        # A norm of non-finite elements is already counted by the non-finite counters; an
+        # overflow is counted in +Inf and _count. Adding either to _sum would turn it
+        # into Inf/NaN for the rest of the process.
+        if overflow:
+            self.bucket_counts[-1] += 1
+            self.hist_count += 1
         if not math.isfinite(norm):
             return
         self.bucket_counts[bisect.bisect_left(self.bounds, norm)] += 1
@@ -402,7 +471,8 @@ class Aggregator:
             hint = ""
             if not self.seen[M.FAMILY_ACTIVATION] and not self.seen[M.FAMILY_GRAD_FLOW]:
                 hint = (" No forward hook ran in a training forward: under torch.compile gradmon's per-layer "
-                        "hooks are no-ops (gradient norms and non-finite counts still cover every step).")
+                        "hooks are no-ops (gradient norms and non-finite counts still cover every step; a NaN's "
+                        "origin is told only as the model's input or output, not a block).")
             log.warning("gradmon[%s]: %d layer(s) not fully observable, reported in "
                         "gradmon_uncovered_layers and Monitor.coverage(): %s.%s", self._model,
                         len(gaps), "; ".join(gaps[:20]) + (" ..." if len(gaps) > 20 else ""), hint)
@@ -437,7 +507,8 @@ class Aggregator:
             nonfinite_steps=self.nonfinite_steps, histogram=tuple(cumulative),
             histogram_sum=self.hist_sum, histogram_count=self.hist_count,
             uncovered=tuple(sorted(self.uncovered().items())), coverage=self.coverage(),
-            nonfinite_origin=tuple((tensor, names[layer], step) for tensor, (layer, step) in sorted(self.origin.items())),
+            nonfinite_origin=tuple((tensor, name, step) for tensor, (name, step) in sorted(self.origin.items())),
+            norm_overflow_steps=self.norm_overflow_steps,
             grouped_layers=len(self.layer_group) - len(self.layer_names),
             amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale)
 

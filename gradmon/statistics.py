@@ -44,6 +44,14 @@ OUTPUT_GRAD = "output_grad"
 """The gradient with respect to a layer's output, from a tensor hook put on the output
 in the forward hook (detail steps). ``record(grad)``; each call is a record."""
 
+BLOCK = "block"
+"""Every training forward, detail step or not: the root module's floating-point inputs
+(key 0), each of its direct children's outputs (keys 1..k, in registration order) and
+its own output (key k+1). ``record(tensor)`` returns one tensor per part; each call is
+a record. Cheap enough for every step, so that a NaN's origin is known on the step it
+happens; inert under torch.compile except for the root's inputs and output."""
+
+FORWARD = (OUTPUT, BLOCK)  # records of forward values: their origin is first in forward order
 BY_PARAMETER = (PARAM_GRAD, LOCAL_GRAD)  # records keyed by parameter index, not layer index
 
 # -- folds: how the values of one column combine --------------------------------------------
@@ -55,6 +63,10 @@ NORM = "norm"
 layers of a group, the shards of a parameter)."""
 ABSMAX = "absmax"
 """The largest absolute value; a NaN stays NaN."""
+MIN = "min"
+"""The smallest value, sign kept (a -Inf is not a +Inf); a NaN stays NaN."""
+MAX = "max"
+"""The largest value, sign kept; a NaN stays NaN."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ class Statistic:
     switch: Optional[str]
     """The Config field that turns it on; None: always on."""
     at: str
-    """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD)."""
+    """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD, BLOCK)."""
     parts: Tuple[Tuple[Column, ...], ...]
     """The columns of one record, grouped as the tensors ``record`` returns them."""
     record: Callable[..., Any]
@@ -90,7 +102,9 @@ class Statistic:
     counter_labels: Mapping[str, str] = field(default_factory=dict)
     origin: Optional[str] = None
     """``tensor`` label under which a non-finite record marks the incident's origin:
-    the first layer in forward order for outputs, in backward order for gradients."""
+    the first layer (or block) in forward order for forward values, whose records must
+    carry ``lo`` and ``hi`` columns (see :func:`nonfinite_flags`), in backward order for
+    gradients."""
     coverage: Optional[str] = None
     """The ``family`` of gradmon_uncovered_layers and Monitor.coverage(), if any."""
     reduced: bool = False
@@ -113,6 +127,10 @@ class Statistic:
     @property
     def by_parameter(self) -> bool:
         return self.at in BY_PARAMETER
+
+    @property
+    def forward(self) -> bool:
+        return self.at in FORWARD
 
     @property
     def series_per_layer(self) -> int:
@@ -169,8 +187,16 @@ LOCAL = Statistic(
     gauges=(LayerGauge(M.LOCAL_GRAD_NORM, _norm),),
     counter=M.LOCAL_NONFINITE, origin=M.TENSOR_GRAD, total=M.LOCAL_GRAD_GLOBAL_NORM)
 
+# Only the extremes: aminmax is one pass with no temporary, cannot overflow (a float32
+# sum of large finite values can), and keeps the sign of an Inf, so that a -Inf a float
+# attention mask always carries is told apart from a new +Inf or NaN. Never counted in
+# gradmon_nonfinite_total: it only says where a non-finite step started.
+BLOCK_FINITE = Statistic(
+    "block_finite", None, BLOCK, ((Column("lo", MIN),), (Column("hi", MAX),)),
+    lambda output: stats.extremes(output), origin=M.TENSOR_BLOCK)
+
 #: Every statistic, in packet order.
-STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL)
+STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL, BLOCK_FINITE)
 
 
 def enabled(cfg: Any, **resolved: object) -> Tuple[Statistic, ...]:
@@ -195,6 +221,8 @@ def _check(table: Sequence[Statistic]) -> None:
             s.index("nan"), s.index("inf")
         if s.total is not None:
             assert any(c.fold == NORM for c in s.columns), s.name
+        if s.origin is not None and s.forward:
+            s.index("lo"), s.index("hi")
 
 
 _check(STATISTICS)
@@ -236,3 +264,18 @@ def merge_max(a: float, b: float) -> float:
     if math.isnan(a) or math.isnan(b):
         return math.nan
     return a if a >= b else b
+
+
+def merge_min(a: float, b: float) -> float:
+    return -merge_max(-a, -b)
+
+
+NAN_FLAG, POS_INF_FLAG, NEG_INF_FLAG = 1, 2, 4
+
+
+def nonfinite_flags(lo: float, hi: float) -> int:
+    """Which kinds of non-finite value a record of min ``lo`` and max ``hi`` holds, as
+    bits: aminmax returns NaN for both when any element is NaN, and an Inf is an extreme."""
+    if math.isnan(lo) or math.isnan(hi):
+        return NAN_FLAG
+    return (POS_INF_FLAG if hi == math.inf else 0) | (NEG_INF_FLAG if lo == -math.inf else 0)

@@ -71,6 +71,13 @@ def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.stack((norm, lo.to(norm.dtype), hi.to(norm.dtype))), counts
 
 
+def extremes(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of a tensor: one reduction kernel and no full-size temporary, where
+    ``isfinite(x).all()`` would allocate a bool copy as large as ``x`` (gigabytes for an
+    LLM's logits). Enough to tell a NaN or an Inf of either sign, and never overflows."""
+    return torch.aminmax(x.detach())
+
+
 def gradient_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(float32 [L2 norm], int64 [nan, inf]) of one gradient: w.r.t. a layer's output
     (gradient flow), or one parameter's own gradient before DDP's all-reduce."""

@@ -38,12 +38,14 @@ def test_nan_origin_names_the_first_layer_forward_and_backward_and_calls_back_on
         opt.zero_grad()
     mon.flush()
     s = scrape(mon.url)
-    # NaN leaves blocks.3's first Linear; downstream activations and upstream gradients inherit it
-    assert value(s, "gradmon_nonfinite_origin_step", tensor="activation", layer="3.0") == 3, [k for k in s if "origin" in k[0]]
+    # NaN leaves blocks.3's first Linear; downstream activations and upstream gradients inherit it.
+    # Steps 2 and 3 are one run: its origin is step 2's.
+    assert value(s, "gradmon_nonfinite_origin_step", tensor="activation", layer="3.0") == 2, [k for k in s if "origin" in k[0]]
+    assert value(s, "gradmon_nonfinite_origin_step", tensor="block", layer="3") == 2
     grad_origin = [dict(ls)["layer"] for (n, ls), v in s.items()
                    if n == "gradmon_nonfinite_origin_step" and dict(ls)["tensor"] == "grad"]
     assert grad_origin == ["5.2"]  # the last layer's gradient is the first to go NaN in backward
-    assert [(i.step, i.activation_layer, i.rank) for i in incidents] == [(2, "3.0", 0)]  # one run, one call
+    assert [(i.step, i.activation_layer, i.block, i.rank) for i in incidents] == [(2, "3.0", "3", 0)]  # one run, one call
     assert caplog.text.count("non-finite values on rank 0") == 1
     assert "activation first in layer 3.0" in caplog.text
 

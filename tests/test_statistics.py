@@ -109,7 +109,7 @@ def test_the_series_budget_counts_every_declared_statistic(with_test_statistics)
 def test_switches_turn_statistics_off():
     from gradmon.config import Config
     names = [s.name for s in S.enabled(Config(activations=False, grad_flow=False), local_view=True)]
-    assert names == ["grad", "local"]
+    assert names == ["grad", "local", "block_finite"]
 
 
 def test_the_packet_reader_walks_the_declared_parts_in_order():

@@ -1,0 +1,186 @@
+"""Where a NaN started, on the step it happens, at default settings (issue 8, part 2): the
+batch or the first top-level block whose output went non-finite, kept for the whole run of
+poisoned steps; norm overflow with finite elements; steps a GradScaler skipped."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from conftest import fresh, value
+
+
+class Block(nn.Module):
+    """Two layers; ``broken`` makes its forward take the log of negative values between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.broken = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if self.broken:
+            h = torch.log(h - 2.0)  # tanh - 2 < 0: NaN everywhere
+        return self.fc2(h)
+
+
+def blocks(n: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(n)])
+
+
+def train(model, opt, steps, batch=lambda step: torch.randn(4, 8), before=lambda step: None):
+    for step in range(steps):
+        before(step)
+        model(batch(step)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def origins(s):
+    return {dict(ls)["tensor"]: (dict(ls)["layer"], v) for (n, ls), v in s.items()
+            if n == "gradmon_nonfinite_origin_step"}
+
+
+def test_a_nan_in_the_batch_on_a_non_detail_step_is_named_input(attach):
+    model = blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model)  # detail_every=10: steps 2..10 record no activations
+
+    def batch(step):
+        x = torch.randn(4, 8)
+        if step == 3:
+            x[1, 2] = float("nan")
+        return x
+
+    train(model, opt, 6, batch)
+    s = fresh(mon)
+    found = origins(s)
+    assert found["block"] == ("input", 4), found
+    assert "activation" not in found
+    assert found["grad"] == ("3.fc2", 4)  # the last layer: first in backward order
+
+
+def test_a_nan_made_inside_a_middle_block_names_it_and_five_poisoned_steps_keep_it(attach, caplog):
+    model = blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    incidents = []
+    mon = attach(model, detail_every=5, on_nonfinite=incidents.append)
+
+    def before(step):
+        model[2].broken = step == 5  # a detail step; the next five steps run on poisoned weights
+
+    train(model, opt, 11, before=before)
+    s = fresh(mon)
+    found = origins(s)
+    assert found["block"] == ("2", 6), found
+    assert found["activation"] == ("2.fc2", 6)  # fc1's output was finite; the log came after it
+    assert value(s, "gradmon_nonfinite_steps_total") == 6  # poisoned steps are counted, not re-blamed
+    assert [(i.step, i.block, i.activation_layer, i.origin_step) for i in incidents] == [(6, "2", "2.fc2", 6)]
+    assert "started at step 6 in 2" in caplog.text
+
+
+def test_a_new_run_after_a_finite_step_starts_a_new_origin(attach):
+    model = blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model)
+    for step in range(7):
+        x = torch.randn(4, 8)
+        if step in (2, 5):
+            x[0, 0] = float("nan")
+        model[1].broken = step == 5
+        model(x).pow(2).mean().backward()
+        for p in model.parameters():  # the job's NaN guard: each run is one step
+            torch.nan_to_num_(p.grad, nan=0.0)
+        opt.step()
+        opt.zero_grad()
+    found = origins(fresh(mon))
+    assert found["block"] == ("input", 6)  # the second run's step, and the batch came first
+
+
+class Masked(nn.Module):
+    """Attention-like scores plus a float mask that holds -inf on every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores = nn.Linear(8, 8)
+        self.masker = AddMask()
+        self.head = Block()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(self.masker(self.scores(x), mask), dim=-1)
+        return self.head(p)
+
+
+class AddMask(nn.Module):
+    def forward(self, s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return s + mask
+
+
+def test_a_float_mask_with_minus_inf_on_every_step_is_no_origin_and_no_count(attach):
+    torch.manual_seed(0)
+    model = Masked()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model, detail_every=1)
+    mask = torch.zeros(4, 8)
+    mask[:, 5:] = -math.inf
+    for step in range(8):
+        model.head.broken = step == 6
+        model(torch.randn(4, 8), mask).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 5:
+            s = fresh(mon)
+            assert value(s, "gradmon_nonfinite_steps_total") == 0
+            assert not origins(s)
+            assert all(v == 0 for (n, _), v in s.items() if n == "gradmon_nonfinite_total")
+    found = origins(fresh(mon))
+    # the input and the masker held -inf on every finite step: the head is where it started
+    assert found["block"] == ("head", 7), found
+
+
+def test_a_norm_that_overflows_with_finite_elements_is_counted_in_the_inf_bucket(attach):
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = attach(model)
+    (model(torch.full((1, 4), 1e10)).sum() * 1e10).backward()  # each weight gradient 1e20: finite
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    opt.step()
+    opt.zero_grad()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    s = fresh(mon)
+    assert value(s, "gradmon_grad_norm_overflow_steps_total") == 1
+    assert value(s, "gradmon_nonfinite_steps_total") == 0
+    h = "gradmon_grad_global_norm_distribution"
+    assert value(s, h + "_count") == 2
+    assert value(s, h + "_bucket", le="+Inf") - value(s, h + "_bucket", le="100000000.0") == 1
+    assert math.isfinite(value(s, h + "_sum")) and value(s, h + "_sum") < 100
+
+
+def test_a_step_the_scaler_skipped_keeps_the_last_applied_norms(attach):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    mon = attach(model, scaler=scaler)
+    for step in range(3):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        if step == 2:
+            loss = loss * math.inf  # an overflow: the scaler skips this step
+        scaler.scale(loss).backward()
+        if step == 1:
+            expected = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters())) / 8.0
+            layer = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model[2].parameters())) / 8.0
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    s = fresh(mon)
+    assert value(s, "gradmon_amp_skipped_steps_total") == 1
+    assert math.isclose(value(s, "gradmon_grad_global_norm"), expected, rel_tol=1e-5)
+    assert math.isclose(value(s, "gradmon_grad_norm", layer="2"), layer, rel_tol=1e-5)
+    assert value(s, "gradmon_nonfinite_steps_total") == 0
+    assert not origins(s)
