@@ -115,3 +115,21 @@ def has_trainable_parameters(model: nn.Module) -> bool:
 
 def is_floating(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided
+
+
+def top_blocks(root: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The top-level blocks whose outputs are checked for non-finite values every step, in
+    forward order as registered: the root's children, with a ModuleList or ModuleDict
+    (never called itself, so a hook on it never fires) replaced by its entries, so that
+    a GPT's ``blocks.3`` is a block of its own rather than part of an invisible list."""
+    out: List[Tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                visit(full + ".", child)
+            else:
+                out.append((full, child))
+    visit("", root)
+    return out

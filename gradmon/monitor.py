@@ -24,7 +24,7 @@ from .config import Config
 from .errors import ErrorLog
 from .hooks import HookSet, Recorder
 from .identity import RankInfo, detect
-from .layers import discover, has_trainable_parameters, is_ddp, unwrap
+from .layers import discover, has_trainable_parameters, is_ddp, top_blocks, unwrap
 from . import statistics as S
 from .grouping import group_layers
 from .snapshot import Aggregator, Coverage, NonFiniteIncident, Publisher, Snapshot
@@ -249,7 +249,7 @@ class Monitor:
         self._labels = {"model": self.name, "rank": str(self.rank.rank), **cfg.labels}
         local_view = cfg.local_view if cfg.local_view is not None else is_ddp(model)
         statistics = S.enabled(cfg, local_view=local_view)
-        blocks = list(inner.named_children())
+        blocks = top_blocks(inner)
         recorder = Recorder(layers, cfg, self._errors, self._publish, statistics)
         grouping = group_layers(self._layer_names, S.series_per_layer(statistics), cfg.series_budget)
         if grouping.grouped_layers:

@@ -184,3 +184,33 @@ def test_a_step_the_scaler_skipped_keeps_the_last_applied_norms(attach):
     assert math.isclose(value(s, "gradmon_grad_norm", layer="2"), layer, rel_tol=1e-5)
     assert value(s, "gradmon_nonfinite_steps_total") == 0
     assert not origins(s)
+
+
+class Stack(nn.Module):
+    """A GPT's shape: an embedding, a ModuleList of blocks called in a loop, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_the_blocks_of_a_module_list_are_blocks_of_their_own(attach):
+    model = Stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model)  # a non-detail step: only the every-step block records can name it
+
+    def before(step):
+        model.blocks[2].broken = step == 3
+
+    train(model, opt, 5, before=before)
+    found = origins(fresh(mon))
+    assert found["block"] == ("blocks.2", 4), found
