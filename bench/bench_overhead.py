@@ -138,6 +138,7 @@ def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict
     for _ in range(3):
         step()  # allocator and kernels warm
     times: Dict[str, List[float]] = {n: [] for n in names}
+    per_round: Dict[str, List[float]] = {n: [] for n in names}  # each round's median step time
     host_us: Dict[str, List[float]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -152,15 +153,33 @@ def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict
                     seg.append(time.perf_counter() - t0)
             teardown()
             times[name] += seg
+            per_round[name].append(statistics.median(seg))
             if "overhead_s" in state and state.get("steps"):
                 host_us[name].append(state["overhead_s"] / state["steps"] * 1e6)
     base = statistics.median(times["baseline"])
     out = {}
     for name in names:
         med = statistics.median(times[name])
-        out[name] = {"median_step_ms": med * 1e3, "ratio": med / base,
+        # one ratio per round, against the baseline of the same round: the rounds are the
+        # independent samples (a slow minute of the machine hits both sides of a ratio)
+        ratios = [v / b for v, b in zip(per_round[name], per_round["baseline"])]
+        out[name] = {"median_step_ms": med * 1e3, "ratio": med / base, "ratio_ci95_high": ci95_high(ratios),
                      "host_us_per_step": statistics.median(host_us[name]) if host_us[name] else math.nan}
     return out
+
+
+# two-sided 95 % Student t quantiles by degrees of freedom; past 30 the normal one
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def ci95_high(samples: List[float]) -> float:
+    """Upper bound of the 95 % confidence interval of the mean of ``samples``."""
+    if len(samples) < 2:
+        return math.nan
+    t = _T975[len(samples) - 2] if len(samples) - 1 <= len(_T975) else 1.960
+    return statistics.mean(samples) + t * statistics.stdev(samples) / math.sqrt(len(samples))
 
 
 def _peak_during_steps(name: str, steps: int) -> float:
@@ -212,13 +231,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in names:
         res[name]["peak_rss_mb"] = peak_rss_mb(name, args.memory_steps)
     base_rss = res["baseline"]["peak_rss_mb"]
-    print(f"{'variant':26s} {'step ms':>9s} {'ratio':>7s} {'target':>7s} {'host us/step':>13s} {'peak RSS MB':>12s} {'mem ratio':>9s}")
+    print(f"{'variant':26s} {'step ms':>9s} {'ratio':>7s} {'ci95 hi':>8s} {'target':>7s} {'host us/step':>13s} "
+          f"{'peak RSS MB':>12s} {'mem ratio':>9s}")
     for name in names:
         r = res[name]
         r["mem_ratio"] = r["peak_rss_mb"] / base_rss
         target = f"<={TARGETS[name]:.2f}" if name in TARGETS else ""
         host = f"{r['host_us_per_step']:.0f}" if not math.isnan(r["host_us_per_step"]) else "-"
-        print(f"{name:26s} {r['median_step_ms']:9.1f} {r['ratio']:7.3f} {target:>7s} {host:>13s} "
+        print(f"{name:26s} {r['median_step_ms']:9.1f} {r['ratio']:7.3f} {r['ratio_ci95_high']:8.3f} {target:>7s} {host:>13s} "
               f"{r['peak_rss_mb']:12.1f} {r['mem_ratio']:9.3f}")
     if args.json:
         with open(args.json, "w") as f:

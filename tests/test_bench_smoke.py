@@ -35,3 +35,14 @@ def test_scrape_benchmark_quick_run_reports_no_failed_scrape(tmp_path):
     assert paced["scrapes"] > 0 and flood["scrapes"] > paced["scrapes"]
     assert paced["failed_scrapes"] == 0 and flood["failed_scrapes"] == 0
     assert paced["gradmon_errors"] == 0 and flood["gradmon_errors"] == 0
+
+
+def test_the_confidence_bound_is_the_student_t_upper_bound_of_the_mean():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_overhead
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    # mean 2, sample sd 1, n 3: 2 + t(0.975, df=2) / sqrt(3)
+    assert abs(bench_overhead.ci95_high([1.0, 2.0, 3.0]) - (2 + 4.303 / 3 ** 0.5)) < 1e-9
+    assert bench_overhead.ci95_high([1.0, 1.0, 1.0]) == 1.0
