@@ -112,6 +112,7 @@ VARIANTS = {
     "baseline": v_baseline,
     "gradmon_defaults": _gradmon(),
     "gradmon_all_every_step": _gradmon(detail_every=1),
+    "gradmon_origin_per_layer": _gradmon(origin_per_layer=True),
     "floor_foreach_norm": v_floor,
     "tutorial_hooks_item": v_tutorial,
 }

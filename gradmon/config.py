@@ -94,6 +94,11 @@ class Config:
     grad_flow: bool = True
     """Norm and non-finite counts of the gradient with respect to each layer's output."""
 
+    origin_per_layer: bool = False
+    """Record each layer's output extremes on every step, not only the top-level blocks'
+    (always on) and detail steps': a NaN's origin is then the exact layer on the very
+    step it happens. Costs one small reduction per layer per step (see README's benchmark)."""
+
     local_view: Optional[bool] = None
     """Also measure each rank's own gradient before DDP's all-reduce (the
     ``gradmon_local_*`` families): the only view in which one bad rank or data shard

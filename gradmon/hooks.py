@@ -158,7 +158,7 @@ class Recorder:
         self.statistics = tuple(statistics)
         self._at: Dict[str, Tuple[Statistic, ...]] = {
             at: tuple(st for st in self.statistics if st.at == at)
-            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK)}
+            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER)}
         self.errors = errors
         self.publish = publish
         self._slots: List[Tuple[weakref.ref, str]] = []
@@ -290,7 +290,7 @@ class Recorder:
         data is named ``input``, not blamed on the first layer that passed it on."""
         if not self.active:
             return
-        for records in self._each_records(S.OUTPUT, S.BLOCK):
+        for records in self._each_records(*S.FORWARD):
             records.drop_pending()
         t0 = perf_counter()
         try:
@@ -317,12 +317,14 @@ class Recorder:
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
         if _compiling():
             return
-        if not self.detail_now:
+        if not (self.detail_now or self._at[S.LAYER]):
             return
         t0 = perf_counter()
         try:
             if self._training_forward(module):
-                self._record_forward(S.OUTPUT, layer, output, grad_flow=bool(self._at[S.OUTPUT_GRAD]))
+                self._record_forward(S.LAYER, layer, output)
+                if self.detail_now:
+                    self._record_forward(S.OUTPUT, layer, output, grad_flow=bool(self._at[S.OUTPUT_GRAD]))
         except Exception as exc:
             self.errors.record("forward", exc)
         finally:
@@ -353,7 +355,7 @@ class Recorder:
                 self._record_forward(S.BLOCK, self.blocks + 1, output)
         except Exception as exc:
             self.errors.record("forward", exc)
-        for records in self._each_records(S.OUTPUT, S.BLOCK):
+        for records in self._each_records(*S.FORWARD):
             records.commit()
         if not torch.is_grad_enabled():
             return
@@ -623,7 +625,7 @@ class HookSet:
     def install(self, recorder: Recorder, root: nn.Module, layers: Sequence[Layer], cfg: Config,
                 blocks: Sequence[nn.Module] = ()) -> None:
         try:
-            if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD):
+            if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER):
                 for layer in layers:
                     self._handles.append(layer.module.register_forward_hook(
                         partial(recorder.on_forward, layer.index)))

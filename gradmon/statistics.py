@@ -51,7 +51,11 @@ its own output (key k+1). ``record(tensor)`` returns one tensor per part; each c
 a record. Cheap enough for every step, so that a NaN's origin is known on the step it
 happens; inert under torch.compile except for the root's inputs and output."""
 
-FORWARD = (OUTPUT, BLOCK)  # records of forward values: their origin is first in forward order
+LAYER = "layer"
+"""Every training forward, detail step or not: a layer's output. ``record(output)``; each
+call is a record. For what must be known per layer on any step (a NaN's origin)."""
+
+FORWARD = (OUTPUT, BLOCK, LAYER)  # records of forward values: their origin is first in forward order
 BY_PARAMETER = (PARAM_GRAD, LOCAL_GRAD)  # records keyed by parameter index, not layer index
 
 # -- folds: how the values of one column combine --------------------------------------------
@@ -92,7 +96,7 @@ class Statistic:
     switch: Optional[str]
     """The Config field that turns it on; None: always on."""
     at: str
-    """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD, BLOCK)."""
+    """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD, BLOCK, LAYER)."""
     parts: Tuple[Tuple[Column, ...], ...]
     """The columns of one record, grouped as the tensors ``record`` returns them."""
     record: Callable[..., Any]
@@ -195,8 +199,14 @@ BLOCK_FINITE = Statistic(
     "block_finite", None, BLOCK, ((Column("lo", MIN),), (Column("hi", MAX),)),
     lambda output: stats.extremes(output), origin=M.TENSOR_BLOCK)
 
+# The same, per layer and on every step when asked for (origin_per_layer): the layer a
+# NaN started in is then named on any step, not only on detail steps.
+LAYER_FINITE = Statistic(
+    "layer_finite", "origin_per_layer", LAYER, ((Column("lo", MIN),), (Column("hi", MAX),)),
+    lambda output: stats.extremes(output), origin=M.TENSOR_ACTIVATION)
+
 #: Every statistic, in packet order.
-STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL, BLOCK_FINITE)
+STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL, BLOCK_FINITE, LAYER_FINITE)
 
 
 def enabled(cfg: Any, **resolved: object) -> Tuple[Statistic, ...]:

@@ -64,12 +64,15 @@ def test_dispatch_mode_catches_an_item_call():
             torch.ones(2).sum().item()
 
 
-def test_hooked_forward_backward_and_step_never_sync_on_cpu():
+# Every family on every step; and the per-layer origin records on steps with no detail.
+@pytest.mark.parametrize("options", [dict(detail_every=1), dict(origin_per_layer=True, detail_every=100)],
+                         ids=["every_family", "origin_per_layer"])
+def test_hooked_forward_backward_and_step_never_sync_on_cpu(options):
     torch.manual_seed(0)
     model = Model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     train_steps(model, opt, 1, "cpu")  # the unmonitored loop itself is sync-free
-    with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1) as mon:
+    with gradmon.attach(model, port=0, addr="127.0.0.1", **options) as mon:
         with RaiseOnSync():
             train_steps(model, opt, 3, "cpu")
         assert mon.flush()
@@ -92,7 +95,7 @@ def test_no_host_sync_on_cuda_under_sync_debug_mode_error():
     model = Model().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     train_steps(model, opt, 1, "cuda")
-    with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1) as mon:
+    with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1, origin_per_layer=True) as mon:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

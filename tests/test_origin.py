@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -81,6 +82,24 @@ def test_a_nan_made_inside_a_middle_block_names_it_and_five_poisoned_steps_keep_
     assert value(s, "gradmon_nonfinite_steps_total") == 6  # poisoned steps are counted, not re-blamed
     assert [(i.step, i.block, i.activation_layer, i.origin_step) for i in incidents] == [(6, "2", "2.fc2", 6)]
     assert "started at step 6 in 2" in caplog.text
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_origin_per_layer_names_the_layer_on_a_non_detail_step(attach, per_layer):
+    model = blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model, origin_per_layer=per_layer)  # detail_every=10: step 4 is no detail step
+
+    def before(step):
+        model[2].broken = step == 3
+
+    train(model, opt, 5, before=before)
+    found = origins(fresh(mon))
+    assert found["block"] == ("2", 4), found
+    if per_layer:
+        assert found["activation"] == ("2.fc2", 4)  # fc1's output was finite; the log came after it
+    else:
+        assert "activation" not in found
 
 
 def test_a_new_run_after_a_finite_step_starts_a_new_origin(attach):
