@@ -139,14 +139,16 @@ class Monitor:
         return self.snapshot().coverage
 
     def detach(self) -> None:
-        """End the run as "finished": remove every hook, stop the publisher and (last user)
-        the HTTP server, after the scrapers have seen the final state (final_scrape_timeout).
+        """End the run: remove every hook, stop the publisher and (last user) the HTTP
+        server, after the scrapers have seen the final state (final_scrape_timeout). The
+        state is "finished", unless an exception is being handled (``detach()`` in a
+        ``finally`` or ``except`` block): then "failed" with its type, or "interrupted".
 
         Safe from any thread, including gradmon's own publisher thread (a "stop on NaN"
         ``on_nonfinite`` callback), and idempotent: each part of the teardown is undone
         once, and a part that failed is tried again by the next call. A Ctrl-C during the
         final-scrape wait ends the wait, not the teardown; it is re-raised afterwards."""
-        self._end(M.STATE_FINISHED, None)
+        self._end(*run_end.outcome_now())
 
     def _end(self, state: str, failure: Optional[str]) -> None:
         with _LOCK:

@@ -4,6 +4,8 @@
 the script                               run state Prometheus sees last
 =======================================  ===============================================
 ends, with or without ``detach()``       ``finished`` (``detach()`` or ``atexit``)
+``detach()`` while an exception is       as if that exception had left ``with``
+handled (``finally``, ``except``)
 raises out of ``with attach(...)``       ``failed`` and the exception's type name
 raises to the top (``sys.excepthook``)   ``failed`` and the exception's type name
 ``sys.exit(n)``, n != 0                  ``failed`` (the exception being handled, if any)
@@ -59,6 +61,16 @@ def outcome(exc: Optional[BaseException]) -> Outcome:
     if isinstance(exc, Exception):
         return M.STATE_FAILED, type(exc).__name__
     return M.STATE_INTERRUPTED, None  # another BaseException (asyncio.CancelledError): cancelled, not crashed
+
+
+def outcome_now() -> Outcome:
+    """The end state of a run ended by a call made now: ``detach()`` in a ``finally`` or an
+    ``except`` block while an exception is in flight is that exception's end, not a good
+    one. The end of an iterator (a data loader's StopIteration) is no failure."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, (StopIteration, StopAsyncIteration)):
+        return M.STATE_FINISHED, None
+    return outcome(exc)
 
 
 def _exit_outcome(code: object, handling: Optional[BaseException]) -> Outcome:

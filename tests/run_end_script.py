@@ -3,7 +3,8 @@
     python run_end_script.py HOW PORT SECONDS
 
 HOW: ``end`` (falls off the end, no detach), ``raise_in_with``, ``raise`` (uncaught, no
-``with``), ``exit0``, ``exit3``, ``ctrl_c``, ``sigterm`` (handle_sigterm on, trains until
+``with``), ``raise_detach_in_finally``, ``loader_end`` (``detach()`` in the ``except
+StopIteration`` that ends a data loop), ``exit0``, ``exit3``, ``ctrl_c``, ``sigterm`` (handle_sigterm on, trains until
 killed) or ``sigterm_own`` (the script's own SIGTERM handler, installed first). The script
 installs its own ``sys.excepthook`` before attaching, as a framework would: gradmon must chain it.
 """
@@ -46,6 +47,24 @@ def main(how: str, port: int, seconds: float) -> None:
         with gradmon.attach(model, **options):
             train(deadline)
             raise ValueError("secret message that must not be exported")
+    if how == "raise_detach_in_finally":
+        monitor = gradmon.attach(model, **options)
+        try:
+            train(deadline)
+            raise ValueError("secret message that must not be exported")
+        finally:
+            monitor.detach()
+    if how == "loader_end":
+        monitor = gradmon.attach(model, **options)
+        batches = iter(range(3))
+        while True:
+            try:
+                next(batches)
+            except StopIteration:
+                monitor.detach()
+                break
+            train(time.monotonic() + seconds / 3)
+        return
     gradmon.attach(model, **options)
     train(deadline if not how.startswith("sigterm") else float("inf"))
     if how == "raise":

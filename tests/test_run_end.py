@@ -101,6 +101,19 @@ def test_an_uncaught_exception_fails_the_run_and_the_jobs_own_excepthook_still_r
     assert scraper.failure(url) == "ValueError"
 
 
+def test_detach_in_a_finally_while_an_exception_is_in_flight_fails_the_run():
+    scraper, url, rc, out = run_script("raise_detach_in_finally")
+    assert rc == 1 and "secret message" in out
+    assert scraper.state(url) == "failed"
+    assert scraper.failure(url) == "ValueError"
+
+
+def test_detach_in_the_except_stopiteration_that_ends_a_data_loop_finishes_the_run():
+    scraper, url, rc, out = run_script("loader_end")
+    assert rc == 0, out
+    assert scraper.state(url) == "finished"
+
+
 def test_sys_exit_with_a_non_zero_status_fails_the_run():
     scraper, url, rc, _ = run_script("exit3")
     assert rc == 3
