@@ -1,13 +1,15 @@
 """gradmon's overhead on a GPT-style training step, as ratios to the unmonitored step.
 
-    python bench/bench_overhead.py            # the README figures
+    python bench/bench_overhead.py            # the README figures (10 rounds)
     python bench/bench_overhead.py --quick    # a smoke run
 
 Reference model (issue 2): 6 blocks, width 256, 4 heads, sequence 128, batch 8, vocab
-2048, AdamW, clip_grad_norm_(1.0). Variants run interleaved in one process (round-robin,
-rotating the order each round, first steps of each segment discarded) so that machine
-noise hits all of them alike; the figure is the median step time divided by the
-baseline's median. Peak memory is each variant's peak resident set during training
+2048, AdamW, clip_grad_norm_(1.0). Variants run interleaved in one process, each segment
+of a variant between two baseline segments (the order rotating each round, the first
+steps of each segment discarded); a round's ratio is the variant's median step time over
+the mean of the two baselines around it. Printed: the median of the rounds' ratios and the
+upper bound of the 95 % confidence interval of their mean (Student t; the baseline's row
+shows the spread of one baseline segment against the one before it). Peak memory is each variant's peak resident set during training
 steps in a fresh subprocess: what a user's process would see, allocator caching included.
 """
 
@@ -139,32 +141,43 @@ def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict
     for _ in range(3):
         step()  # allocator and kernels warm
     times: Dict[str, List[float]] = {n: [] for n in names}
-    per_round: Dict[str, List[float]] = {n: [] for n in names}  # each round's median step time
+    ratios: Dict[str, List[float]] = {n: [] for n in names}
     host_us: Dict[str, List[float]] = {n: [] for n in names}
+
+    def segment(name: str) -> float:
+        state: dict = {}
+        teardown = VARIANTS[name](model, state)
+        seg = []
+        for i in range(steps + discard):
+            t0 = time.perf_counter()
+            step()
+            if i >= discard:
+                seg.append(time.perf_counter() - t0)
+        teardown()
+        times[name] += seg
+        if "overhead_s" in state and state.get("steps"):
+            host_us[name].append(state["overhead_s"] / state["steps"] * 1e6)
+        return statistics.median(seg)
+
+    others = [n for n in names if n != "baseline"]
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            state: dict = {}
-            teardown = VARIANTS[name](model, state)
-            seg = []
-            for i in range(steps + discard):
-                t0 = time.perf_counter()
-                step()
-                if i >= discard:
-                    seg.append(time.perf_counter() - t0)
-            teardown()
-            times[name] += seg
-            per_round[name].append(statistics.median(seg))
-            if "overhead_s" in state and state.get("steps"):
-                host_us[name].append(state["overhead_s"] / state["steps"] * 1e6)
+        # a baseline segment between every two variant segments: each variant's ratio is
+        # against the mean of the baselines right before and after it, so a slow minute of
+        # the machine (or a drift) hits both sides of the ratio
+        before = segment("baseline")
+        for name in others[r % len(others):] + others[:r % len(others)]:
+            v = segment(name)
+            after = segment("baseline")
+            ratios[name].append(v / ((before + after) / 2))
+            ratios["baseline"].append(after / before)
+            before = after
     base = statistics.median(times["baseline"])
     out = {}
     for name in names:
         med = statistics.median(times[name])
-        # one ratio per round, against the baseline of the same round: the rounds are the
-        # independent samples (a slow minute of the machine hits both sides of a ratio)
-        ratios = [v / b for v, b in zip(per_round[name], per_round["baseline"])]
-        out[name] = {"median_step_ms": med * 1e3, "ratio": med / base, "ratio_ci95_high": ci95_high(ratios),
+        # the rounds' ratios are the samples: the bound is on their mean
+        out[name] = {"median_step_ms": med * 1e3, "ratio": statistics.median(ratios[name]) if name != "baseline" else 1.0,
+                     "ratio_ci95_high": ci95_high(ratios[name]),
                      "host_us_per_step": statistics.median(host_us[name]) if host_us[name] else math.nan}
     return out
 
@@ -214,9 +227,9 @@ def peak_rss_mb(name: str, steps: int) -> float:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--steps", type=int, default=8, help="timed steps per variant per round")
-    p.add_argument("--discard", type=int, default=2, help="untimed steps at the start of each segment")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per segment")
+    p.add_argument("--discard", type=int, default=1, help="untimed steps at the start of each segment")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="tiny run for a smoke test; figures meaningless")
