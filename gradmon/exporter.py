@@ -93,6 +93,7 @@ def add_view(fam: _Families, view: ExportView) -> None:
                         (M.GROUPED_LAYERS, s.grouped_layers), (M.AMP_SKIPPED_STEPS, s.amp_skipped_steps),
                         (M.AMP_LOSS_SCALE, s.amp_loss_scale),
                         (M.NONFINITE_STEPS, s.nonfinite_steps), (M.GRAD_NORM_OVERFLOW_STEPS, s.norm_overflow_steps),
+                        (M.LOSS, s.loss), (M.LOSS_RUNNING_MIN, s.loss_running_min),
                         (M.OVERHEAD_SECONDS, view.overhead_seconds)):
         if value is not None:
             fam.add(spec, base, value)
@@ -104,6 +105,9 @@ def add_view(fam: _Families, view: ExportView) -> None:
         labels = _with(base, **series.labels)
         for layer, *kind, value in series.values:
             fam.add(series.spec, _with(labels, layer=layer, **({"kind": kind[0]} if kind else {})), value)
+    for spec, pairs in ((M.SPIKE_SCORE, s.spike_scores), (M.SPIKE_STEPS, s.spike_steps)):
+        for signal, value in pairs:
+            fam.add(spec, _with(base, signal=signal), value)
     for tensor, layer, step in s.nonfinite_origin:
         fam.add(M.NONFINITE_ORIGIN, _with(base, tensor=tensor, layer=layer), step)
     for bound, cumulative in s.histogram:

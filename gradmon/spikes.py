@@ -139,13 +139,21 @@ class SpikeTracker:
             d.restart()
 
     def new_step(self, global_step: int, learning_rates: Sequence[Optional[float]] = ()) -> None:
+        """``learning_rates``: per parameter group, None where unknown; () when the step
+        says nothing about them (a skipped or a manual step): the last known ones stay."""
         prev, self._step = self._step, global_step
         resumed = prev is not None and not 0 <= global_step - prev <= self._window
-        lrs, self._lrs = self._lrs, tuple(learning_rates)
-        jumped = len(lrs) == len(self._lrs) and any(
-            a is not None and b is not None and lr_jumped(a, b) for a, b in zip(lrs, self._lrs))
+        jumped = False
+        if learning_rates:
+            lrs, self._lrs = self._lrs, tuple(learning_rates)
+            jumped = len(lrs) == len(self._lrs) and any(
+                a is not None and b is not None and lr_jumped(a, b) for a, b in zip(lrs, self._lrs))
         if resumed or jumped:
             self.restart()
+
+    def relabel(self, global_step: int) -> None:
+        """The last step's number, as the training corrected it (``monitor.step(n)``)."""
+        self._step = global_step
 
     def observe(self, signal: str, value: float) -> None:
         detector = self.detectors.get(signal)
