@@ -129,13 +129,11 @@ def _loss_value(loss: Any) -> torch.Tensor:
 def _add(total: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
     if total is None:
         return value
-    if total.device != value.device:
-        # never towards the host: that copy would wait for the device
-        if value.device.type == "cpu":
-            value = value.to(total.device, non_blocking=True)
-        else:
-            total = total.to(value.device, non_blocking=True)
-    return total + value.to(total.dtype)
+    # Losses given as numbers live on the host; add there only while every loss does:
+    # moving a device value to the host would wait for the device.
+    home = total if value.device.type == "cpu" else value
+    return (total.to(home.device, home.dtype, non_blocking=True)
+            + value.to(home.device, home.dtype, non_blocking=True))
 
 
 class _Records:

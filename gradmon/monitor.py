@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -109,7 +109,7 @@ class Monitor:
         if self._recorder is not None:
             self._recorder.manual_step(global_step)
 
-    def observe(self, *, loss: "torch.Tensor | float") -> None:
+    def observe(self, *, loss: Union[torch.Tensor, float]) -> None:
         """Give gradmon this micro-batch's loss (call it before ``optimizer.step()``; once
         per micro-batch under gradient accumulation). ``gradmon_loss`` is the mean of the
         losses observed since the last optimizer step, on this rank; one observed with no
