@@ -63,13 +63,12 @@ class SpikeDetector:
         if not 4 <= self.min_steps <= self.window:
             raise ValueError(f"min_steps must be in 4..window, got {self.min_steps} (window {self.window})")
         self.log_scale = True
-        self._values: Deque[Tuple[int, float]] = deque(maxlen=self.window)
-        self._t = 0
+        # one value per accepted step, oldest first: position i is step i of the window
+        self._values: Deque[float] = deque(maxlen=self.window)
 
     def restart(self) -> None:
         """Forget the window: what came before (another run, another learning rate) is no baseline."""
         self._values.clear()
-        self._t = 0
 
     def __len__(self) -> int:
         return len(self._values)
@@ -84,20 +83,18 @@ class SpikeDetector:
             self.restart()
         y = math.log(value) if self.log_scale else value
         verdict = self._score(y) if len(self._values) >= self.min_steps else None
-        self._values.append((self._t, y))
-        self._t += 1
+        self._values.append(y)
         return verdict
 
     def _score(self, y: float) -> Verdict:
-        ts = [t for t, _ in self._values]
-        ys = [v for _, v in self._values]
-        half = len(ys) // 2
-        dt = median(ts[-half:]) - median(ts[:half])
-        slope = (median(ys[-half:]) - median(ys[:half])) / dt
-        residuals = [v - slope * t for t, v in self._values]
+        ys = list(self._values)
+        n, half = len(ys), len(ys) // 2
+        # the halves' middle steps are n - half apart
+        slope = (median(ys[-half:]) - median(ys[:half])) / (n - half)
+        residuals = [v - slope * i for i, v in enumerate(ys)]
         level = median(residuals)
-        scale = max(MAD_TO_SIGMA * median(abs(r - level) for r in residuals), self.floor)
-        score = max(0.0, (y - (level + slope * self._t)) / scale)
+        scale = max(MAD_TO_SIGMA * median([abs(r - level) for r in residuals]), self.floor)
+        score = max(0.0, (y - (level + slope * n)) / scale)  # this step is step n of the window
         mid = median(ys)
         above = y - mid > (LN2 if self.log_scale else abs(mid))
         return Verdict(score, score > self.threshold and above)

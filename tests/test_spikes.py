@@ -59,6 +59,17 @@ def test_the_score_is_the_distance_from_the_median_in_robust_standard_deviations
     assert verdict.spike
 
 
+def test_the_score_is_measured_from_the_trend_extrapolated_to_this_step():
+    # exactly exponential growth, 2 % a step: residuals all equal, so the scale is the floor;
+    # this step lies 0.2 (ln units) above the line continued to it
+    d = SpikeDetector()
+    run(d, [math.exp(0.02 * i) for i in range(40)])
+    assert d.update(math.exp(0.02 * 40 + 0.2)).score == pytest.approx(0.2 / 0.05, rel=1e-9)
+    d = SpikeDetector()
+    run(d, [math.exp(-0.02 * i) for i in range(40)])  # falling: the same, mirrored
+    assert d.update(math.exp(-0.02 * 40 + 0.2)).score == pytest.approx(0.2 / 0.05, rel=1e-9)
+
+
 def test_a_quiet_series_is_scored_against_the_floor_not_its_tiny_spread():
     d = SpikeDetector()
     run(d, [1.0 + 1e-6 * (i % 2) for i in range(40)])
