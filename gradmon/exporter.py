@@ -93,7 +93,6 @@ def add_view(fam: _Families, view: ExportView) -> None:
                         (M.GROUPED_LAYERS, s.grouped_layers), (M.AMP_SKIPPED_STEPS, s.amp_skipped_steps),
                         (M.AMP_LOSS_SCALE, s.amp_loss_scale),
                         (M.NONFINITE_STEPS, s.nonfinite_steps), (M.GRAD_NORM_OVERFLOW_STEPS, s.norm_overflow_steps),
-                        (M.LOSS, s.loss), (M.LOSS_RUNNING_MIN, s.loss_running_min),
                         (M.OVERHEAD_SECONDS, view.overhead_seconds)):
         if value is not None:
             fam.add(spec, base, value)

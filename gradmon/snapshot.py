@@ -125,7 +125,8 @@ class Snapshot:
     global_step: Optional[int] = None
     last_step_time: Optional[float] = None
     totals: Mapping[M.MetricSpec, float] = field(default_factory=dict)
-    """Model-level gauges of the statistics (e.g. the global norm)."""
+    """Model-level gauges: of the statistics (e.g. the global norm) and of the step
+    scalars (the loss); a gauge not measured yet is absent."""
     layer_gauges: Tuple["LayerSeries", ...] = ()
     layer_counters: Tuple["LayerSeries", ...] = ()
     nonfinite_steps: int = 0
@@ -139,14 +140,17 @@ class Snapshot:
     amp_skipped_steps: Optional[int] = None  # None: no scaler given
     amp_loss_scale: Optional[float] = None
     coverage: Coverage = field(default_factory=Coverage)
-    loss: Optional[float] = None  # None: observe(loss=...) not called yet
-    loss_running_min: Optional[float] = None
     spike_scores: Tuple[Tuple[str, float], ...] = ()  # signal, score at its last scored step
     spike_steps: Tuple[Tuple[str, int], ...] = ()  # signal, spike steps; every signal that applies
 
     @property
     def global_norm(self) -> Optional[float]:
         return self.totals.get(M.GRAD_GLOBAL_NORM)
+
+    @property
+    def loss(self) -> Optional[float]:
+        """The last step's mean observed loss; None before ``observe(loss=...)``."""
+        return self.totals.get(M.LOSS)
 
 
 @dataclass(frozen=True)
@@ -528,6 +532,8 @@ class Aggregator:
                     for k, kind in enumerate(M.NONFINITE_KINDS))))
         totals = {f.stat.total: f.total for f in self.folded.values()
                   if f.stat.total is not None and f.total is not None}
+        totals.update((spec, v) for spec, v in ((M.LOSS, self.loss), (M.LOSS_RUNNING_MIN, self.loss_running_min))
+                      if v is not None)
         cumulative, running = [], 0
         for bound, count in zip(list(self.bounds) + [math.inf], self.bucket_counts):
             running += count
@@ -543,7 +549,6 @@ class Aggregator:
             norm_overflow_steps=self.norm_overflow_steps,
             grouped_layers=len(self.layer_group) - len(self.layer_names),
             amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale,
-            loss=self.loss, loss_running_min=self.loss_running_min,
             spike_scores=tuple(self.spikes.scores.items()), spike_steps=tuple(self.spikes.spikes.items()))
 
 
