@@ -470,6 +470,7 @@ class Recorder:
 
     # -- observed values -------------------------------------------------------------
 
+    @torch._dynamo.disable  # a compiled train step calling observe() must not trace gradmon's state
     def observe_loss(self, loss: Any) -> None:
         """One micro-batch's loss: added on its device, never read; the step's packet
         carries the mean. Bad input is counted (stage ``observe``), never raised."""
