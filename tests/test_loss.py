@@ -210,3 +210,17 @@ def test_a_reduced_norm_is_scored_only_where_this_rank_exports_the_reduced_serie
     # DDP/FSDP rank > 0: the same reduced norm as rank 0's, so one spike is counted once per job
     assert S.spike_signals(enabled, reduced_here=False) == ("loss", "local_grad_norm")
     assert S.spike_signals(S.enabled(Config(), local_view=False), reduced_here=False) == ("loss",)
+
+
+@pytest.mark.parametrize("options", [dict(spike_min_steps=200), dict(spike_min_steps=3), dict(spike_threshold=0.0),
+                                     dict(spike_window=2)])
+def test_spike_options_out_of_range_are_refused_at_attach(options):
+    from gradmon.config import Config
+    with pytest.raises(ValueError, match="spike_"):
+        Config(**options)
+
+
+def test_spike_options_come_from_the_environment():
+    from gradmon.config import resolve
+    cfg = resolve({}, {"GRADMON_SPIKE_THRESHOLD": "4.5", "GRADMON_SPIKE_WINDOW": "64", "GRADMON_SPIKE_MIN_STEPS": "16"})
+    assert (cfg.spike_threshold, cfg.spike_window, cfg.spike_min_steps) == (4.5, 64, 16)
