@@ -154,6 +154,20 @@ class Config:
     log_every_incident: bool = False
     """Log every non-finite step, not only the first of each run of non-finite steps."""
 
+    spike_threshold: float = 6.0
+    """Robust score above which a step of the loss or of a global gradient norm is a
+    spike (``gradmon_spike_steps_total``), if its value is also above twice the window's
+    median. 6 robust standard deviations is OLMo-core's choice: a healthy run, noisy as
+    it is, does not reach it, a one-step 3x jump does."""
+
+    spike_window: int = 128
+    """Steps of each signal the spike score is measured against (median, MAD and trend).
+    128 spans the noise of a few hundred steps while following a schedule's trend."""
+
+    spike_min_steps: int = 32
+    """Steps the window must hold before a step is scored; after attach, a resume and a
+    learning-rate jump. Fewer make the median and MAD too noisy to trust."""
+
     def __post_init__(self) -> None:
         _validate(self)
 
@@ -293,6 +307,9 @@ def _validate(cfg: Config) -> None:
                             f"({', '.join(sorted(reserved))}); choose another name")
     _in_range(cfg, "final_scrape_timeout", 0, 3600, "a number of seconds in 0..3600")
     _in_range(cfg, "series_budget", 20, math.inf, "an integer of at least 20 series")
+    _in_range(cfg, "spike_threshold", 1e-9, math.inf, "a positive number of robust standard deviations")
+    _in_range(cfg, "spike_window", 4, math.inf, "an integer number of steps of at least 4")
+    _in_range(cfg, "spike_min_steps", 4, cfg.spike_window, f"in 4..spike_window ({cfg.spike_window})")
     if cfg.scaler is not None:
         from .amp import is_scaler
         if not is_scaler(cfg.scaler):

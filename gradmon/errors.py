@@ -13,7 +13,7 @@ from typing import Dict
 log = logging.getLogger("gradmon")
 
 #: The ``stage`` label values of ``gradmon_hook_errors_total``; all exist at 0 from attach.
-STAGES = ("forward", "grad_flow", "backward", "step", "publish", "collect", "server")
+STAGES = ("forward", "grad_flow", "backward", "step", "observe", "publish", "collect", "server")
 
 
 class ErrorLog:

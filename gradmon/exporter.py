@@ -104,6 +104,9 @@ def add_view(fam: _Families, view: ExportView) -> None:
         labels = _with(base, **series.labels)
         for layer, *kind, value in series.values:
             fam.add(series.spec, _with(labels, layer=layer, **({"kind": kind[0]} if kind else {})), value)
+    for spec, pairs in ((M.SPIKE_SCORE, s.spike_scores), (M.SPIKE_STEPS, s.spike_steps)):
+        for signal, value in pairs:
+            fam.add(spec, _with(base, signal=signal), value)
     for tensor, layer, step in s.nonfinite_origin:
         fam.add(M.NONFINITE_ORIGIN, _with(base, tensor=tensor, layer=layer), step)
     for bound, cumulative in s.histogram:

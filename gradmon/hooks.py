@@ -102,6 +102,40 @@ def _optimizer_step_value(opt: torch.optim.Optimizer) -> Optional[int]:
     return None
 
 
+def _host_learning_rates(opt: torch.optim.Optimizer) -> Tuple[Optional[float], ...]:
+    """Each parameter group's learning rate where it is a Python number, free to read;
+    None where it is a tensor (a capturable schedule's device tensor: reading it would
+    wait for the device)."""
+    out: List[Optional[float]] = []
+    for group in opt.param_groups:
+        lr = group.get("lr")
+        out.append(float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None)
+    return tuple(out)
+
+
+def _loss_value(loss: Any) -> torch.Tensor:
+    """A loss as a detached 0-d tensor of the ship dtype, on the loss's own device (a
+    copy: the caller may reuse its tensor in place)."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"gradmon: observe(loss=...) takes a scalar loss, got a tensor of shape "
+                             f"{tuple(loss.shape)}; pass loss.mean() or the loss you call backward() on")
+        return loss.detach().reshape(()).to(stats._ship_dtype(loss.device), copy=True)
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return torch.tensor(float(loss), dtype=torch.float64)
+    raise TypeError(f"gradmon: observe(loss=...) takes a tensor or a number, got {type(loss).__name__}")
+
+
+def _add(total: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+    if total is None:
+        return value
+    # Losses given as numbers live on the host; add there only while every loss does:
+    # moving a device value to the host would wait for the device.
+    home = total if value.device.type == "cpu" else value
+    return (total.to(home.device, home.dtype, non_blocking=True)
+            + value.to(home.device, home.dtype, non_blocking=True))
+
+
 class _Records:
     """The records one statistic made in the current step.
 
@@ -174,6 +208,8 @@ class Recorder:
         self._measure_failed = False
         self.scaler = cfg.scaler
         self._scale: Optional[torch.Tensor] = None  # loss scale during this step's backward
+        self._loss_sum: Optional[torch.Tensor] = None  # observe(loss=...) since the last step, on the device
+        self._loss_count = 0
         self._stepped = False
         self._owned: Dict[int, Tuple[Any, bool]] = {}  # id(optimizer) -> (weakref, mine)
         self._primary: Optional[Any] = None
@@ -432,6 +468,30 @@ class Recorder:
             rows, order = st.record(grads, grads[0].device)
             self._batched[st.name] = (rows, tuple(present[j] for j in order), tuple(grads[j].numel() for j in order))
 
+    # -- observed values -------------------------------------------------------------
+
+    @torch._dynamo.disable  # a compiled train step calling observe() must not trace gradmon's state
+    def observe_loss(self, loss: Any) -> None:
+        """One micro-batch's loss: added on its device, never read; the step's packet
+        carries the mean. Bad input is counted (stage ``observe``), never raised."""
+        if not self.active:
+            return
+        t0 = perf_counter()
+        try:
+            self._loss_sum = _add(self._loss_sum, _loss_value(loss))
+            self._loss_count += 1
+        except Exception as exc:
+            self.errors.record("observe", exc)
+        finally:
+            self.overhead += perf_counter() - t0
+
+    def _step_scalars(self, scale: Optional[torch.Tensor]) -> Tuple[Tuple[str, ...], List[torch.Tensor]]:
+        """The step scalars of this step, names and 0-d device tensors, in packet order."""
+        named = ((S.SCALAR_AMP_SCALE, scale),
+                 (S.SCALAR_LOSS, self._loss_sum / self._loss_count if self._loss_sum is not None else None))
+        present = [(name, t) for name, t in named if t is not None]
+        return tuple(name for name, _ in present), [t for _, t in present]
+
     # -- step boundary -------------------------------------------------------------
 
     def owns(self, opt: torch.optim.Optimizer) -> bool:
@@ -478,10 +538,11 @@ class Recorder:
             if not self.active or not self.owns(opt) or not self._fresh_backward:
                 return
             gs = _optimizer_step_value(opt)
+            lrs = _host_learning_rates(opt)
         except Exception as exc:
             self.errors.record("step", exc)
             return
-        self.end_step(gs, by_optimizer=True)
+        self.end_step(gs, by_optimizer=True, learning_rates=lrs)
 
     def manual_step(self, global_step: Optional[int]) -> None:
         if not self.active:
@@ -515,22 +576,24 @@ class Recorder:
             return
         t0 = perf_counter()
         try:
-            scale = amp.scale_tensor(self.scaler)
-            host, event = stats.to_host(scale.double()) if scale is not None else (None, None)
+            names, scalars = self._step_scalars(amp.scale_tensor(self.scaler))
+            host, event = stats.to_host(stats.pack(scalars, scalars[0].device)) if scalars else (None, None)
             self.publish(StepPacket(self.steps, self.step_offset + self.steps, time.time(), data=host, event=event,
-                                    skipped=True, amp_scale=host is not None))
+                                    skipped=True, scalars=names))
         except Exception as exc:
             self.errors.record("step", exc)
         finally:
             self._close_step()
             self.overhead += perf_counter() - t0
 
-    def end_step(self, optimizer_step: Optional[int], by_optimizer: bool) -> None:
+    def end_step(self, optimizer_step: Optional[int], by_optimizer: bool,
+                 learning_rates: Tuple[Optional[float], ...] = ()) -> None:
         t0 = perf_counter()
         index = self.steps
         self._stepped = True
         global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
-        packet = StepPacket(index, global_step, time.time(), measured_at_step=self._measured_at_step)
+        packet = StepPacket(index, global_step, time.time(), measured_at_step=self._measured_at_step,
+                            learning_rates=learning_rates)
         if self._shard_groups:
             self._reduce_shards()
         try:
@@ -561,6 +624,8 @@ class Recorder:
         self._fresh_backward = False
         self._accumulated = False
         self._measured_at_step = False
+        self._loss_sum = None
+        self._loss_count = 0
         self._reset_records()
 
     def _reduce_shards(self) -> None:
@@ -577,7 +642,8 @@ class Recorder:
 
     def _build_packet(self, packet: StepPacket) -> StepPacket:
         """Every statistic's committed records, section by section in table order, each
-        part an (n, width) block: the layout ``statistics.read`` reads."""
+        part an (n, width) block, then the step scalars: the layout ``statistics.read``
+        and ``statistics.read_scalars`` read."""
         parts: List[torch.Tensor] = []
         sections: List[Section] = []
         home: Optional[torch.device] = None
@@ -604,15 +670,15 @@ class Recorder:
                     block = block.double() * torch.stack([inv.to(block.device) ** p for p in powers])
                 parts.append(block)
             sections.append(Section(st, keys, numels))
-        if self._scale is not None:
-            home = home or self._scale.device
-            parts.append(self._scale)
+        names, scalars = self._step_scalars(self._scale)
+        if scalars:
+            home = home or scalars[0].device
+            parts.extend(scalars)
         if home is None:
             return packet
         data, event = stats.to_host(stats.pack(parts, home))
         return dataclasses.replace(
-            packet, data=data, event=event, sections=tuple(sections),
-            amp_scale=self._scale is not None,
+            packet, data=data, event=event, sections=tuple(sections), scalars=names,
             sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
 
 

@@ -29,6 +29,13 @@ BLOCK_INPUT = "input"
 BLOCK_OUTPUT = "output"
 NONFINITE_KINDS: Tuple[str, ...] = ("nan", "inf")
 
+#: Values of the ``signal`` label of the spike families: the observed loss, the reduced
+#: global gradient norm (rank 0 alone under DDP/FSDP), each rank's own pre-all-reduce norm.
+SIGNAL_LOSS = "loss"
+SIGNAL_GRAD_NORM = "grad_norm"
+SIGNAL_LOCAL_GRAD_NORM = "local_grad_norm"
+SPIKE_SIGNALS: Tuple[str, ...] = (SIGNAL_LOSS, SIGNAL_GRAD_NORM, SIGNAL_LOCAL_GRAD_NORM)
+
 #: Families (the ``family`` label of coverage metrics, and config switches).
 FAMILY_GRAD = "grad"
 FAMILY_GRAD_FLOW = "grad_flow"
@@ -101,6 +108,16 @@ GROUPED_LAYERS = _spec("grouped_layers", "gauge", (),
 AMP_SKIPPED_STEPS = _spec("amp_skipped_steps", "counter", (),
                           "Steps the GradScaler skipped on overflow (given attach(scaler=...)); not non-finite incidents.")
 AMP_LOSS_SCALE = _spec("amp_loss_scale", "gauge", (), "The GradScaler's loss scale at the last step.")
+LOSS = _spec("loss", "gauge", (),
+             "Mean of the losses given to monitor.observe(loss=...) in the last step that observed one, on this rank.")
+LOSS_RUNNING_MIN = _spec("loss_running_min", "gauge", (),
+                         "Smallest finite gradmon_loss since attach, on this rank.")
+SPIKE_SCORE = _spec("spike_score", "gauge", ("signal",),
+                    "Robust one-sided score of the signal at its last scored step: its distance above the detrended "
+                    "median of the last spike_window steps, in robust standard deviations (ln units).")
+SPIKE_STEPS = _spec("spike_steps", "counter", ("signal",),
+                    "Steps whose signal scored above spike_threshold and was above twice its window's median; "
+                    "counted in the process, so a one-step spike between two scrapes is never missed.")
 NONFINITE_STEPS = _spec("nonfinite_steps", "counter", (),
                         "Optimizer steps in which any monitored tensor held a non-finite element.")
 STEPS = _spec("steps", "counter", (), "Optimizer steps seen since the first attach of this model name and labels in this process.")

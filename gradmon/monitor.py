@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from .layers import discover, has_trainable_parameters, is_ddp, top_blocks, unwr
 from . import statistics as S
 from .grouping import group_layers
 from .snapshot import Aggregator, Coverage, NonFiniteIncident, Publisher, Snapshot
+from .spikes import SpikeTracker
 
 log = logging.getLogger("gradmon")
 
@@ -107,6 +108,18 @@ class Monitor:
         optimizer step, set the training's own global step number (e.g. after resuming)."""
         if self._recorder is not None:
             self._recorder.manual_step(global_step)
+
+    def observe(self, *, loss: Union[torch.Tensor, float]) -> None:
+        """Give gradmon this micro-batch's loss (call it before ``optimizer.step()``; once
+        per micro-batch under gradient accumulation). ``gradmon_loss`` is the mean of the
+        losses observed since the last optimizer step, on this rank; one observed with no
+        step yet goes into the next step. It is detached and added on its device, never
+        read by the training thread: it reaches the host in the step's one packet. Bad
+        input (a non-scalar tensor, a string) is counted in
+        ``gradmon_hook_errors_total{stage="observe"}``, never raised."""
+        recorder = self._recorder
+        if recorder is not None:
+            recorder.observe_loss(loss)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every step so far is in the exported snapshot. True if it is."""
@@ -264,7 +277,10 @@ class Monitor:
         aggregator = Aggregator(grouping.names, recorder.param_layer, statistics, self.name, grouping.of_layer,
                                 self.rank.rank, self._on_incident, amp=cfg.scaler is not None,
                                 tied={layer.index: layer.tied_to for layer in layers if layer.tied_to},
-                                block_names=(M.BLOCK_INPUT, *(name for name, _ in blocks), M.BLOCK_OUTPUT))
+                                block_names=(M.BLOCK_INPUT, *(name for name, _ in blocks), M.BLOCK_OUTPUT),
+                                spikes=SpikeTracker(S.spike_signals(statistics, self._reduced_per_layer),
+                                                    cfg.spike_threshold, cfg.spike_window, cfg.spike_min_steps,
+                                                    raw_below_zero=(M.SIGNAL_LOSS,)))
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried

@@ -21,6 +21,7 @@ from typing import Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional,
 from . import metrics as M
 from . import statistics as S
 from .errors import ErrorLog
+from .spikes import SpikeTracker
 from .statistics import Section, Statistic
 
 log = logging.getLogger("gradmon")
@@ -30,7 +31,7 @@ log = logging.getLogger("gradmon")
 class StepPacket:
     """What one optimizer step measured, still in the packed device layout: the
     records of each statistic in ``sections`` (laid out as ``statistics.read`` reads
-    them), then the loss scale if ``amp_scale``."""
+    them), then one value per name in ``scalars`` (``statistics.read_scalars``)."""
 
     index: int
     global_step: int
@@ -38,11 +39,12 @@ class StepPacket:
     data: object = None  # a host tensor, valid once ``event`` has completed
     event: object = None
     sections: Tuple[Section, ...] = ()
-    amp_scale: bool = False  # the last value is the GradScaler's loss scale
-    skipped: bool = False  # an overflow step the GradScaler skipped: data holds only the scale
+    scalars: Tuple[str, ...] = ()  # the step scalars after the sections (statistics.SCALAR_*)
+    skipped: bool = False  # an overflow step the GradScaler skipped: data holds only the step scalars
     sampled: bool = True
     detail: bool = False
     measured_at_step: bool = False  # gradients measured at the optimizer step, not at the end of backward
+    learning_rates: Tuple[Optional[float], ...] = ()  # per parameter group; None: a device tensor, not read
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ class Snapshot:
     global_step: Optional[int] = None
     last_step_time: Optional[float] = None
     totals: Mapping[M.MetricSpec, float] = field(default_factory=dict)
-    """Model-level gauges of the statistics (e.g. the global norm)."""
+    """Model-level gauges: of the statistics (e.g. the global norm) and of the step
+    scalars (the loss); a gauge not measured yet is absent."""
     layer_gauges: Tuple["LayerSeries", ...] = ()
     layer_counters: Tuple["LayerSeries", ...] = ()
     nonfinite_steps: int = 0
@@ -137,10 +140,17 @@ class Snapshot:
     amp_skipped_steps: Optional[int] = None  # None: no scaler given
     amp_loss_scale: Optional[float] = None
     coverage: Coverage = field(default_factory=Coverage)
+    spike_scores: Tuple[Tuple[str, float], ...] = ()  # signal, score at its last scored step
+    spike_steps: Tuple[Tuple[str, int], ...] = ()  # signal, spike steps; every signal that applies
 
     @property
     def global_norm(self) -> Optional[float]:
         return self.totals.get(M.GRAD_GLOBAL_NORM)
+
+    @property
+    def loss(self) -> Optional[float]:
+        """The last step's mean observed loss; None before ``observe(loss=...)``."""
+        return self.totals.get(M.LOSS)
 
 
 @dataclass(frozen=True)
@@ -208,12 +218,14 @@ class Aggregator:
                  statistics: Sequence[Statistic], model: str,
                  layer_group: Optional[Sequence[int]] = None, rank: int = 0,
                  on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False,
-                 tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = ()) -> None:
+                 tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = (),
+                 spikes: Optional[SpikeTracker] = None) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index; ``tied`` maps a recorder layer without parameters of
         its own to the module that owns them; ``block_names`` names the BLOCK records'
-        keys (``input``, the root's children, ``output``)."""
+        keys (``input``, the root's children, ``output``); ``spikes`` scores the loss and
+        the statistics' totals (default: every signal, default settings)."""
         self.layer_names = tuple(layer_names)
         self.layer_group = tuple(layer_group) if layer_group is not None else tuple(range(len(layer_names)))
         self.param_layer = tuple(self.layer_group[layer] for layer in param_layer)
@@ -254,6 +266,10 @@ class Aggregator:
         self.measured_at_step = 0
         self._gaps_logged = False
         self.generation = 0
+        self.loss: Optional[float] = None
+        self.loss_running_min: Optional[float] = None
+        self.spikes = spikes if spikes is not None else SpikeTracker(
+            S.spike_signals(self.statistics, reduced_here=True), raw_below_zero=(M.SIGNAL_LOSS,))
 
     # -- counters that outlive a monitor ------------------------------------------
 
@@ -266,6 +282,7 @@ class Aggregator:
             "histogram": (tuple(self.bucket_counts), self.hist_sum, self.hist_count),
             "nonfinite": {(stat, names[i], k): cell[k] for stat, f in self.folded.items() if f.cells
                           for i, cell in enumerate(f.cells) for k in range(2) if cell[k]},
+            "spike_steps": dict(self.spikes.spikes),
         }
 
     def resume(self, saved: Mapping[str, object]) -> None:
@@ -280,6 +297,7 @@ class Aggregator:
         self.bucket_counts = [a + b for a, b in zip(self.bucket_counts, buckets)]
         self.hist_sum += hist_sum
         self.hist_count += hist_count
+        self.spikes.resume(saved.get("spike_steps", {}))  # type: ignore[arg-type]
         index = {name: i for i, name in enumerate(self.layer_names)}
         for (stat, name, k), count in saved["nonfinite"].items():  # type: ignore[union-attr]
             cells = self.folded[stat].cells if stat in self.folded else None
@@ -288,11 +306,17 @@ class Aggregator:
 
     # -- folding -------------------------------------------------------------------
 
+    def relabel(self, global_step: int) -> None:
+        """``monitor.step(n)`` renumbered the last step: not a resume."""
+        self.global_step = global_step
+        self.spikes.relabel(global_step)
+
     def fold(self, packet: StepPacket) -> None:
+        self.spikes.new_step(packet.global_step, packet.learning_rates)
         if packet.skipped:
             self.amp_skipped_steps += 1
             if packet.data is not None:
-                self.amp_loss_scale = packet.data.tolist()[-1]
+                self._fold_scalars(packet.data.tolist(), packet.scalars)
             return
         # Count the step before parsing anything: a packet that fails to parse must
         # still be a step, or rate(gradmon_steps_total) would lie.
@@ -304,8 +328,7 @@ class Aggregator:
         if packet.data is None:
             return
         values: List[float] = packet.data.tolist()
-        if packet.amp_scale:
-            self.amp_loss_scale = values[-1]
+        self._fold_scalars(values, packet.scalars)
         self._step_origin: Dict[str, int] = {}
         self._flags: Dict[Tuple[str, int], int] = {}
         self._grads_bad = False
@@ -318,6 +341,17 @@ class Aggregator:
         if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
             self.detail_backward_steps += 1
             self._log_gaps_once()
+
+    def _fold_scalars(self, values: Sequence[float], names: Sequence[str]) -> None:
+        scalars = S.read_scalars(values, names)
+        if S.SCALAR_AMP_SCALE in scalars:
+            self.amp_loss_scale = scalars[S.SCALAR_AMP_SCALE]
+        loss = scalars.get(S.SCALAR_LOSS)
+        if loss is not None:
+            self.loss = loss
+            if math.isfinite(loss) and (self.loss_running_min is None or loss < self.loss_running_min):
+                self.loss_running_min = loss
+            self.spikes.observe(M.SIGNAL_LOSS, loss)
 
     def _incident(self, bad: bool, step: int) -> None:
         # The origin is decided on the first step of a run of steps with non-finite
@@ -394,6 +428,8 @@ class Aggregator:
             self.norm_overflow_steps += overflow and stat.histogram is not None
             if stat.histogram is not None:
                 self._observe(f.total, overflow)
+            if stat.spike is not None:
+                self.spikes.observe(stat.spike, f.total)
         if sampled or not stat.sampled:
             for layer, a in acc.items():
                 columns = f.columns(a)
@@ -496,6 +532,8 @@ class Aggregator:
                     for k, kind in enumerate(M.NONFINITE_KINDS))))
         totals = {f.stat.total: f.total for f in self.folded.values()
                   if f.stat.total is not None and f.total is not None}
+        totals.update((spec, v) for spec, v in ((M.LOSS, self.loss), (M.LOSS_RUNNING_MIN, self.loss_running_min))
+                      if v is not None)
         cumulative, running = [], 0
         for bound, count in zip(list(self.bounds) + [math.inf], self.bucket_counts):
             running += count
@@ -510,7 +548,8 @@ class Aggregator:
             nonfinite_origin=tuple((tensor, name, step) for tensor, (name, step) in sorted(self.origin.items())),
             norm_overflow_steps=self.norm_overflow_steps,
             grouped_layers=len(self.layer_group) - len(self.layer_names),
-            amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale)
+            amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale,
+            spike_scores=tuple(self.spikes.scores.items()), spike_steps=tuple(self.spikes.spikes.items()))
 
 
 _STOP = object()
@@ -586,7 +625,7 @@ class Publisher:
     def _fold(self, item: object) -> None:
         try:
             if isinstance(item, GlobalStepUpdate):
-                self._agg.global_step = item.global_step
+                self._agg.relabel(item.global_step)
                 return
             event = getattr(item, "event", None)
             if event is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import metrics as M
 from . import stats
@@ -123,6 +123,8 @@ class Statistic:
     all layers, on every step it is recorded."""
     histogram: Optional[M.MetricSpec] = None
     """Histogram observing ``total`` on every step."""
+    spike: Optional[str] = None
+    """``signal`` under which ``total`` is scored for spikes on every step (gradmon/spikes.py)."""
 
     @property
     def columns(self) -> Tuple[Column, ...]:
@@ -168,7 +170,7 @@ GRAD = Statistic(
     gauges=(LayerGauge(M.GRAD_NORM, _norm),),
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD}, origin=M.TENSOR_GRAD,
     coverage=M.FAMILY_GRAD, reduced=True, sampled=True,
-    total=M.GRAD_GLOBAL_NORM, histogram=M.GRAD_GLOBAL_NORM_DISTRIBUTION)
+    total=M.GRAD_GLOBAL_NORM, histogram=M.GRAD_GLOBAL_NORM_DISTRIBUTION, spike=M.SIGNAL_GRAD_NORM)
 
 GRAD_FLOW = Statistic(
     "grad_flow", "grad_flow", OUTPUT_GRAD, ((_GRAD_NORM,), _COUNTS),
@@ -189,7 +191,8 @@ LOCAL = Statistic(
     "local", "local_view", LOCAL_GRAD, ((_GRAD_NORM,), _COUNTS),
     lambda grad: stats.gradient_record(grad),
     gauges=(LayerGauge(M.LOCAL_GRAD_NORM, _norm),),
-    counter=M.LOCAL_NONFINITE, origin=M.TENSOR_GRAD, total=M.LOCAL_GRAD_GLOBAL_NORM)
+    counter=M.LOCAL_NONFINITE, origin=M.TENSOR_GRAD, total=M.LOCAL_GRAD_GLOBAL_NORM,
+    spike=M.SIGNAL_LOCAL_GRAD_NORM)
 
 # Only the extremes: aminmax is one pass with no temporary, cannot overflow (a float32
 # sum of large finite values can), and keeps the sign of an Inf, so that a -Inf a float
@@ -220,6 +223,13 @@ def series_per_layer(statistics: Sequence[Statistic]) -> int:
     return sum(s.series_per_layer for s in statistics)
 
 
+def spike_signals(statistics: Sequence[Statistic], reduced_here: bool) -> Tuple[str, ...]:
+    """The spike signals a rank scores: the loss, and the total of each enabled statistic
+    that declares one; a reduced total (identical on every rank) only where this rank
+    exports the reduced series (rank 0 under DDP/FSDP), so a job counts one spike once."""
+    return (M.SIGNAL_LOSS,) + tuple(s.spike for s in statistics if s.spike and (reduced_here or not s.reduced))
+
+
 def _check(table: Sequence[Statistic]) -> None:
     names = [s.name for s in table]
     assert len(set(names)) == len(names), names
@@ -229,8 +239,8 @@ def _check(table: Sequence[Statistic]) -> None:
             assert len(s.parts) == 1, s.name
         if s.counter is not None:
             s.index("nan"), s.index("inf")
-        if s.total is not None:
-            assert any(c.fold == NORM for c in s.columns), s.name
+        if s.total is not None or s.spike is not None:
+            assert s.total is not None and any(c.fold == NORM for c in s.columns), s.name
         if s.origin is not None and s.forward:
             s.index("lo"), s.index("hi")
 
@@ -250,6 +260,20 @@ class Section:
     statistic: Statistic
     keys: Tuple[int, ...]
     numels: Tuple[int, ...]
+
+
+# Step scalars: one value per step each, after the sections, in the order the packet's
+# ``scalars`` names them. A name may be any string (one per value: a learning rate per
+# parameter group would be "lr/0", "lr/1"...); these are the ones gradmon writes.
+SCALAR_AMP_SCALE = "amp_scale"
+"""The GradScaler's loss scale during the step's backward (with ``scaler=``)."""
+SCALAR_LOSS = "loss"
+"""The mean of the losses ``Monitor.observe(loss=...)`` was given since the last step."""
+
+
+def read_scalars(values: Sequence[float], names: Sequence[str]) -> Dict[str, float]:
+    """The step scalars at the end of a packet: the one reader of what the hooks wrote after the sections."""
+    return dict(zip(names, values[len(values) - len(names):])) if names else {}
 
 
 def read(values: Sequence[float], sections: Sequence[Section], offset: int = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -49,10 +51,13 @@ class Model(nn.Module):
         return self.head(h)
 
 
-def train_steps(model, opt, steps, device):
+def train_steps(model, opt, steps, device, mon=None):
     for _ in range(steps):
         for _micro in range(2):
-            model(torch.randn(4, 3, 5, device=device)).pow(2).mean().backward()
+            loss = model(torch.randn(4, 3, 5, device=device)).pow(2).mean()
+            loss.backward()
+            if mon is not None:  # the loss stays on the device: no .item() to hand it over
+                mon.observe(loss=loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -74,9 +79,10 @@ def test_hooked_forward_backward_and_step_never_sync_on_cpu(options):
     train_steps(model, opt, 1, "cpu")  # the unmonitored loop itself is sync-free
     with gradmon.attach(model, port=0, addr="127.0.0.1", **options) as mon:
         with RaiseOnSync():
-            train_steps(model, opt, 3, "cpu")
+            train_steps(model, opt, 3, "cpu", mon)
         assert mon.flush()
         snap = mon.snapshot()
+        assert snap.loss is not None and math.isfinite(snap.loss)
         errors = mon._errors.counts()
     assert snap.steps_total == 3
     assert sum(errors.values()) == 0, errors
@@ -100,9 +106,9 @@ def test_no_host_sync_on_cuda_under_sync_debug_mode_error():
         torch.cuda.set_sync_debug_mode("error")
         try:
             with RaiseOnSync():
-                train_steps(model, opt, 3, "cuda")
+                train_steps(model, opt, 3, "cuda", mon)
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert mon.flush()
-        assert mon.snapshot().steps_total == 3
+        assert mon.snapshot().steps_total == 3 and mon.snapshot().loss is not None
         assert sum(mon._errors.counts().values()) == 0

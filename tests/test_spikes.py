@@ -1,0 +1,190 @@
+"""The spike detector on synthetic series: what a healthy run never trips, what a one-step
+spike always does, and when the window starts over."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from gradmon.spikes import SpikeDetector, SpikeTracker, lr_jumped
+
+
+def _warmup_cosine(t: int, steps: int = 2000, warmup: int = 100) -> float:
+    if t < warmup:
+        return t / warmup
+    return 0.5 * (1 + math.cos(math.pi * (t - warmup) / (steps - warmup)))
+
+
+def healthy_loss(steps: int = 2000, noise: float = 0.1, seed: int = 0):
+    """A pretraining-like loss: flat while the learning rate warms up from 0, a fast fall,
+    then a slow one, with 10 % multiplicative noise per step (heavier than most runs)."""
+    rng = random.Random(seed)
+    progress = 0.0
+    for t in range(steps):
+        progress += _warmup_cosine(t, steps)
+        yield (2.0 + 8.0 * math.exp(-progress / 150)) * math.exp(rng.gauss(0, noise))
+
+
+def run(detector: SpikeDetector, series):
+    """Every step's verdict (None where not scored)."""
+    return [detector.update(v) for v in series]
+
+
+def spikes(verdicts):
+    return [i for i, v in enumerate(verdicts) if v is not None and v.spike]
+
+
+def test_a_healthy_noisy_decreasing_loss_with_warmup_has_no_spike():
+    verdicts = run(SpikeDetector(), healthy_loss())
+    assert spikes(verdicts) == []
+    assert sum(v is not None for v in verdicts) == 2000 - 32  # scored from the 33rd step on
+
+
+def test_a_one_step_3x_spike_is_counted_once_and_scores_above_the_threshold():
+    series = list(healthy_loss())
+    series[1000] *= 3
+    verdicts = run(SpikeDetector(), series)
+    assert spikes(verdicts) == [1000]
+    assert verdicts[1000].score > 6.0
+
+
+def test_the_score_is_the_distance_from_the_median_in_robust_standard_deviations():
+    # no trend; residuals +-0.1 around 0 in ln units: MAD 0.1, scale 1.4826 * 0.1
+    d = SpikeDetector(min_steps=32)
+    run(d, [math.exp(0.1 if i % 2 else -0.1) for i in range(32)])
+    verdict = d.update(3.0)
+    assert verdict.score == pytest.approx(math.log(3.0) / (1.4826 * 0.1), rel=1e-9)
+    assert verdict.spike
+
+
+def test_the_score_is_measured_from_the_trend_extrapolated_to_this_step():
+    # exactly exponential growth, 2 % a step: residuals all equal, so the scale is the floor;
+    # this step lies 0.2 (ln units) above the line continued to it
+    d = SpikeDetector()
+    run(d, [math.exp(0.02 * i) for i in range(40)])
+    assert d.update(math.exp(0.02 * 40 + 0.2)).score == pytest.approx(0.2 / 0.05, rel=1e-9)
+    d = SpikeDetector()
+    run(d, [math.exp(-0.02 * i) for i in range(40)])  # falling: the same, mirrored
+    assert d.update(math.exp(-0.02 * 40 + 0.2)).score == pytest.approx(0.2 / 0.05, rel=1e-9)
+
+
+def test_a_quiet_series_is_scored_against_the_floor_not_its_tiny_spread():
+    d = SpikeDetector()
+    run(d, [1.0 + 1e-6 * (i % 2) for i in range(40)])
+    assert d.update(1.1).score == pytest.approx(math.log(1.1) / 0.05, rel=1e-3)  # 1.9: not a spike
+
+
+def test_a_high_score_below_twice_the_median_is_not_a_spike():
+    d = SpikeDetector()
+    run(d, [1.0] * 40)
+    verdict = d.update(1.9)  # score ln(1.9)/0.05 = 12.8 > 6, but not 2x the median
+    assert verdict.score > 6 and not verdict.spike
+    assert d.update(2.1).spike
+
+
+def test_a_spike_in_the_first_31_steps_is_not_scored():
+    series = [1.0 + 0.01 * (i % 3) for i in range(40)]
+    series[30] = 100.0
+    verdicts = run(SpikeDetector(), series)
+    assert verdicts[:32] == [None] * 32 and spikes(verdicts) == []
+    assert verdicts[32] is not None  # the 33rd step has 32 earlier ones in its window
+
+
+def test_a_steady_upward_trend_is_not_a_spike():
+    # a norm that grows 2.5 % a step: 25x over one window, 3.6x its median at the window's end
+    rng = random.Random(1)
+    series = [math.exp(t / 40 + rng.gauss(0, 0.02)) for t in range(400)]
+    verdicts = run(SpikeDetector(), series)
+    assert spikes(verdicts) == []
+    assert max(v.score for v in verdicts if v is not None) < 6
+    # a spike on top of the trend still is one
+    series[300] *= 3
+    assert spikes(run(SpikeDetector(), series)) == [300]
+
+
+def test_non_finite_values_never_enter_the_window_nor_crash():
+    d = SpikeDetector()
+    run(d, [1.0] * 20)
+    assert run(d, [math.nan, math.inf, -math.inf]) == [None] * 3
+    assert len(d) == 20  # none of them entered
+    run(d, [1.0] * 12)
+    assert d.update(math.nan) is None
+    assert not d.update(1.0).spike
+
+
+def test_zero_and_negative_values_are_skipped_on_a_norm_and_scored_raw_on_a_loss():
+    norm = SpikeDetector()
+    assert run(norm, [0.0, -1.0]) == [None, None] and len(norm) == 0
+    loss = SpikeDetector(raw_below_zero=True)
+    run(loss, [1.0] * 10 + [-0.5 + 0.01 * (i % 2) for i in range(40)])
+    assert not loss.log_scale and len(loss) == 40  # the positive start was dropped with the switch
+    verdict = loss.update(2.0)
+    # raw units: residuals +-0.005 around -0.495, scale floored at 0.05 loss units
+    assert verdict.score == pytest.approx((2.0 + 0.495) / 0.05, rel=1e-6) and verdict.spike
+
+
+def test_the_detector_refuses_a_window_too_short_to_score():
+    with pytest.raises(ValueError):
+        SpikeDetector(min_steps=3)
+    with pytest.raises(ValueError):
+        SpikeDetector(window=16, min_steps=32)
+
+
+# -- restarts ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prev, cur, jumped", [
+    (0.0, 1e-6, True),  # warm-up starts from 0
+    (1e-6, 2e-6, False),  # 2x exactly: a linear warm-up's second step
+    (3e-4, 3.1e-4, False),
+    (3e-4, 3e-5, True),  # a step decay by 10x
+    (3e-4, 7e-4, True),
+    (3e-4, 0.0, True),
+    (0.0, 0.0, False),
+])
+def test_lr_jumped(prev, cur, jumped):
+    assert lr_jumped(prev, cur) is jumped
+
+
+def _tracker_with_window(values: int = 40) -> SpikeTracker:
+    tracker = SpikeTracker(("loss",))
+    for step in range(1, values + 1):
+        tracker.new_step(step, (1e-3,))
+        tracker.observe("loss", 1.0 + 0.01 * (step % 2))
+    return tracker
+
+
+def test_the_window_restarts_on_a_learning_rate_jump():
+    tracker = _tracker_with_window()
+    tracker.new_step(41, (1e-2,))
+    tracker.observe("loss", 5.0)  # the first value at the new rate: no baseline to be a spike against
+    assert tracker.restarts == 1 and len(tracker.detectors["loss"]) == 1 and tracker.spikes["loss"] == 0
+    # a rate that changes smoothly, or one kept as a device tensor (None), does not restart it
+    tracker = _tracker_with_window()
+    tracker.new_step(41, (1.1e-3,))
+    tracker.new_step(42, (None,))
+    tracker.new_step(43, (1e-2,))
+    assert tracker.restarts == 0
+
+
+@pytest.mark.parametrize("step", [10, 40 + 129], ids=["backwards", "jump_past_the_window"])
+def test_the_window_restarts_on_resume(step):
+    tracker = _tracker_with_window()
+    tracker.new_step(step, (1e-3,))
+    assert tracker.restarts == 1 and len(tracker.detectors["loss"]) == 0
+    tracker = _tracker_with_window()
+    tracker.new_step(40 + 128, (1e-3,))  # steps not seen, within one window: the same run
+    tracker.new_step(40 + 128, (1e-3,))  # a step the GradScaler skipped repeats its number
+    assert tracker.restarts == 0
+
+
+def test_the_tracker_counts_spike_steps_per_signal():
+    tracker = SpikeTracker(("loss", "grad_norm"))
+    for step, value in enumerate(list(healthy_loss(200))):
+        tracker.new_step(step)
+        tracker.observe("loss", value * (3 if step == 150 else 1))
+        tracker.observe("grad_norm", 1.0)
+        tracker.observe("not_a_signal", 1.0)
+    assert tracker.spikes == {"loss": 1, "grad_norm": 0}
+    assert set(tracker.scores) == {"loss", "grad_norm"}
