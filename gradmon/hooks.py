@@ -40,7 +40,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import amp, sharded, stats
+from . import amp, optimizer, sharded, stats
 from . import statistics as S
 from .config import Config
 from .errors import ErrorLog
@@ -158,7 +158,7 @@ class Recorder:
         self.statistics = tuple(statistics)
         self._at: Dict[str, Tuple[Statistic, ...]] = {
             at: tuple(st for st in self.statistics if st.at == at)
-            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER)}
+            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER, S.OPTIMIZER)}
         self.errors = errors
         self.publish = publish
         self._slots: List[Tuple[weakref.ref, str]] = []
@@ -183,8 +183,10 @@ class Recorder:
         self.step_offset = 0
         self.detail_now = True
         self.blocks = 0  # the root module's direct children: BLOCK keys 1..blocks
-        # PARAM_GRAD statistics of this step: name -> (rows, parameter and numel of each row)
+        # PARAM_GRAD and OPTIMIZER statistics of this step: name -> (rows, parameter and numel of each row)
         self._batched: Dict[str, Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]] = {}
+        self._learning_rates: Tuple[Any, ...] = ()  # this step's, per param group: floats or tensors
+        self._unread: set = set()  # optimizers whose state could not be read, already logged
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._accumulated = False  # autograd accumulated a monitored gradient in this backward
         self._fresh_backward = False  # self._batched holds this step's gradients
@@ -196,7 +198,7 @@ class Recorder:
         # OUTPUT records are complete once the root forward returned; the others once
         # their backward pass ended
         self._records: Dict[str, _Records] = {st.name: _Records(keyed=st.by_parameter)
-                                              for st in self.statistics if st.at != S.PARAM_GRAD}
+                                              for st in self.statistics if st.at not in S.BATCHED}
 
     def statistics_at(self, *moments: str) -> Tuple[Statistic, ...]:
         return tuple(st for at in moments for st in self._at[at])
@@ -427,7 +429,8 @@ class Recorder:
             if g is not None:
                 present.append(i)
                 grads.append(sharded.local(g))  # a shard's own elements; summed at the step
-        self._batched = {}
+        for st in self._at[S.PARAM_GRAD]:
+            self._batched.pop(st.name, None)
         for st in self._at[S.PARAM_GRAD] if grads else ():
             rows, order = st.record(grads, grads[0].device)
             self._batched[st.name] = (rows, tuple(present[j] for j in order), tuple(grads[j].numel() for j in order))
@@ -481,7 +484,55 @@ class Recorder:
         except Exception as exc:
             self.errors.record("step", exc)
             return
+        self._read_optimizer(opt)
         self.end_step(gs, by_optimizer=True)
+
+    def _read_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """After the step that closes this one, before its packet: the learning rates on
+        every step, what the optimizer did on sampled steps (``optimizer_every``). A
+        second optimizer over the same model steps after the packet is closed: its
+        parameters stay unread (counted as uncovered)."""
+        every = self.cfg.optimizer_every
+        if not every:
+            return
+        t0 = perf_counter()
+        try:
+            self._learning_rates = tuple(g["lr"] for g in opt.param_groups)
+            if self._at[S.OPTIMIZER] and self.steps % every == 0:
+                self._read_state(opt)
+        except Exception as exc:
+            self.errors.record("step", exc)
+        finally:
+            self.overhead += perf_counter() - t0
+
+    def _read_state(self, opt: torch.optim.Optimizer) -> None:
+        if self.sharded or not optimizer.supported(opt):
+            self._say_unread_once(opt)
+            return
+        present: List[int] = []
+        params: List[torch.Tensor] = []
+        for i, p in enumerate(self.current_params()):
+            if p is not None and p.grad is not None:
+                present.append(i)
+                params.append(p)
+        if not params:
+            return
+        reading = optimizer.read(opt, params, params[0].grad.device)
+        for st in self._at[S.OPTIMIZER]:
+            out = st.record(reading)
+            if out is not None:
+                rows, order = out
+                self._batched[st.name] = (rows, tuple(present[j] for j in order),
+                                          tuple(params[j].numel() for j in order))
+
+    def _say_unread_once(self, opt: torch.optim.Optimizer) -> None:
+        what = type(opt).__name__ + (" under FSDP" if self.sharded else "")
+        if what in self._unread:
+            return
+        self._unread.add(what)
+        log.warning("gradmon: cannot read the update of %s (gradmon reads torch.optim.SGD, Adam and AdamW, not "
+                    "under FSDP); its layers are counted in gradmon_uncovered_layers{family=\"optimizer\"} and have "
+                    "no gradmon_update_to_weight_ratio or gradmon_adam_rms", what)
 
     def manual_step(self, global_step: Optional[int]) -> None:
         if not self.active:
@@ -556,6 +607,7 @@ class Recorder:
 
     def _close_step(self) -> None:
         self._batched = {}
+        self._learning_rates = ()
         self._scale = None
         self._measure_failed = False
         self._fresh_backward = False
@@ -584,7 +636,7 @@ class Recorder:
         # A GradScaler's loss scale is divided out on the device, column by column.
         inv = self._scale.double().reciprocal().reshape(()) if self._scale is not None else None
         for st in self.statistics:
-            if st.at == S.PARAM_GRAD:
+            if st.at in S.BATCHED:
                 if st.name not in self._batched:
                     continue
                 rows, keys, numels = self._batched[st.name]
@@ -604,6 +656,14 @@ class Recorder:
                     block = block.double() * torch.stack([inv.to(block.device) ** p for p in powers])
                 parts.append(block)
             sections.append(Section(st, keys, numels))
+        # Learning rates held as tensors (capturable optimizers, tensor lr) travel in the
+        # packet, before the loss scale; Python floats beside it, for free.
+        lrs = self._learning_rates
+        packed = [lr.detach().reshape(()) for lr in lrs if isinstance(lr, torch.Tensor)]
+        packet = dataclasses.replace(packet, learning_rates=tuple(
+            None if isinstance(lr, torch.Tensor) else float(lr) for lr in lrs))
+        parts += packed
+        home = home or (packed[0].device if packed else None)
         if self._scale is not None:
             home = home or self._scale.device
             parts.append(self._scale)

@@ -43,6 +43,8 @@ class StepPacket:
     sampled: bool = True
     detail: bool = False
     measured_at_step: bool = False  # gradients measured at the optimizer step, not at the end of backward
+    learning_rates: Tuple[Optional[float], ...] = ()
+    """Per param group; None: packed in ``data``, in group order, just before the loss scale."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class Snapshot:
     amp_skipped_steps: Optional[int] = None  # None: no scaler given
     amp_loss_scale: Optional[float] = None
     coverage: Coverage = field(default_factory=Coverage)
+    learning_rates: Tuple[float, ...] = ()  # per param group of the optimizer that closed the last step
 
     @property
     def global_norm(self) -> Optional[float]:
@@ -250,6 +253,7 @@ class Aggregator:
         self.seen: Dict[str, set] = {f: set() for f in M.FAMILIES}
         self.amp_skipped_steps = 0
         self.amp_loss_scale: Optional[float] = None
+        self.learning_rates: Tuple[float, ...] = ()
         self.detail_backward_steps = 0
         self.measured_at_step = 0
         self._gaps_logged = False
@@ -301,9 +305,10 @@ class Aggregator:
         self.last_step_time = packet.time
         if packet.measured_at_step:
             self._count_measured_at_step()
+        values: List[float] = packet.data.tolist() if packet.data is not None else []
+        self._learning_rates(packet, values)
         if packet.data is None:
             return
-        values: List[float] = packet.data.tolist()
         if packet.amp_scale:
             self.amp_loss_scale = values[-1]
         self._step_origin: Dict[str, int] = {}
@@ -318,6 +323,14 @@ class Aggregator:
         if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
             self.detail_backward_steps += 1
             self._log_gaps_once()
+
+    def _learning_rates(self, packet: StepPacket, values: Sequence[float]) -> None:
+        lrs = packet.learning_rates
+        if not lrs:
+            return
+        end = len(values) - packet.amp_scale
+        packed = iter(values[end - sum(lr is None for lr in lrs):end])
+        self.learning_rates = tuple(next(packed) if lr is None else lr for lr in lrs)
 
     def _incident(self, bad: bool, step: int) -> None:
         # The origin is decided on the first step of a run of steps with non-finite
@@ -510,7 +523,8 @@ class Aggregator:
             nonfinite_origin=tuple((tensor, name, step) for tensor, (name, step) in sorted(self.origin.items())),
             norm_overflow_steps=self.norm_overflow_steps,
             grouped_layers=len(self.layer_group) - len(self.layer_names),
-            amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale)
+            amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale,
+            learning_rates=self.learning_rates)
 
 
 _STOP = object()
