@@ -79,7 +79,7 @@ class Coverage(Mapping[str, FrozenSet[str]]):
     """What gradmon could observe, as ``Monitor.coverage()`` returns it.
 
     It reads as ``{layer: families observed so far}`` (``grad``, ``grad_flow``,
-    ``activation``); the fields say which families apply to a layer and at which moment
+    ``activation``, ``optimizer``); the fields say which families apply to a layer and at which moment
     the gradients were measured."""
 
     observed: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
