@@ -10,27 +10,29 @@ Every rule gradmon knows is of one form::
 
 with ``A`` computable from the state and the gradient alone and ``c`` the weight decay
 that the step applied to ``w_{t-1}`` outside the state (AdamW's decoupled decay, SGD's
-decay when no momentum buffer holds it). So ``w_{t-1} = (w_t + lr*A) / (1 - lr*c)`` and
+decay when no momentum buffer holds it). So ``(1 - lr*c) * w_{t-1} = w_t + lr*A`` and
 ``Δw = -lr * (A + c*w_{t-1})``. It is the intended update in at least float32: a bf16
 parameter's applied update differs from it by the rounding of ``w_t``.
 
 Everything stays on the device: ``lr``, ``step`` and the betas may be tensors
-(capturable, fused or tensor-lr optimizers) and are used as tensors, never read. Large
-parameters are walked in chunks so that the temporaries of one chunk stay within
+(capturable, fused or tensor-lr optimizers) and are used as tensors, never read. The
+math runs as multi-tensor (``torch._foreach_*``) kernels over batches of parameters;
+large parameters are cut into pieces so that a batch's temporaries stay within
 :data:`CHUNK_BYTES`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
 CHUNK_BYTES = 64 * 2 ** 20
-"""Most bytes of float32 temporaries alive at once while reading one parameter."""
-_TEMPORARIES = 4  # float32 chunks alive at once in _sums (A, w_{t-1}, update, ratio)
+"""Most bytes of float32 temporaries alive at once while reading one batch."""
+_TEMPORARIES = 5  # float32 pieces alive at once in _adam_sums (at most)
 CHUNK = CHUNK_BYTES // (4 * _TEMPORARIES)
+"""Most elements of one batch."""
 
 #: Optimizers whose update gradmon can rebuild, by exact type: a subclass may change
 #: the rule, and a wrong ratio is worse than a layer counted as uncovered.
@@ -54,120 +56,75 @@ def supported(opt: torch.optim.Optimizer) -> bool:
     return type(opt) in SUPPORTED
 
 
+@dataclass
+class _Batch:
+    """Pieces of parameters of one param group (and one step count) read together:
+    ``tensors[name]`` holds the flat pieces of each tensor the rule needs."""
+
+    group: Dict[str, Any]
+    step: Any
+    owners: List[int]  # position in ``params`` of each piece
+    tensors: Dict[str, List[torch.Tensor]]
+    numel: int = 0
+
+
 def read(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], home: torch.device) -> Reading:
     """Sums of squares of the update and of the weights before it, per parameter of
     ``params`` that ``opt`` steps, has a dense real gradient and a readable state."""
-    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-    update: List[torch.Tensor] = []
-    update_at: List[int] = []
-    adam: List[torch.Tensor] = []
-    adam_at: List[int] = []
     is_adam = isinstance(opt, torch.optim.Adam)
+    batches = _batches(opt, params, is_adam)
+    pieces: List[torch.Tensor] = []
+    owners: List[int] = []
+    for batch in batches:
+        pieces.append((_adam_sums if is_adam else _sgd_sums)(batch).to(home, non_blocking=True))
+        owners += batch.owners
+    if not pieces:
+        return Reading(None, None)
+    read_at = sorted(set(owners))
+    slot = {j: k for k, j in enumerate(read_at)}
+    index = torch.tensor([slot[j] for j in owners], device=home)  # host list -> device: no sync
+    sums = torch.zeros(len(read_at), 3, dtype=torch.float64, device=home)
+    sums.index_add_(0, index, torch.cat(pieces).double())
+    norms = sums.sqrt()
+    at = tuple(read_at)
+    return Reading((norms[:, :2], at), (norms[:, 2:], at) if is_adam else None)
+
+
+def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam: bool) -> List[_Batch]:
+    group_of = {id(p): (k, g) for k, g in enumerate(opt.param_groups) for p in g["params"]}
+    open_: Dict[Hashable, _Batch] = {}
+    done: List[_Batch] = []
     for j, p in enumerate(params):
-        group = group_of.get(id(p))
+        found = group_of.get(id(p))
         g = p.grad
-        if group is None or g is None or g.is_sparse or p.is_complex():
+        if found is None or g is None or g.is_sparse or p.is_complex():
             continue
+        k, group = found
         state = opt.state.get(p, {})
-        rule = _adam(group, state, g) if is_adam else _sgd(group, state, g)
-        if rule is None:
+        tensors = _adam_tensors(group, state, p, g) if is_adam else _sgd_tensors(group, state, p, g)
+        if tensors is None:
             continue
-        sums = _sums(p.detach(), group["lr"], *rule)
-        update.append(sums[:2].sqrt().to(home, non_blocking=True))
-        update_at.append(j)
-        if rule[2] is not None:
-            adam.append(sums[2:].sqrt().to(home, non_blocking=True))
-            adam_at.append(j)
-    return Reading(_rows(update, update_at), _rows(adam, adam_at))
-
-
-def _rows(rows: List[torch.Tensor], at: List[int]) -> Optional[Rows]:
-    return (torch.stack(rows), tuple(at)) if rows else None
-
-
-Direction = Callable[[slice], torch.Tensor]
-"""A over an element range of the flattened parameter, in float32 at least."""
-Ratio = Callable[[slice, torch.Tensor], torch.Tensor]
-"""Adam's g'²/max(v̂, ε²) over an element range, given w_{t-1} over it."""
-
-
-def _sums(w: torch.Tensor, lr: Any, c: Any, direction: Direction, ratio: Optional[Ratio]) -> torch.Tensor:
-    """[Σ Δw², Σ w_{t-1}², Σ ratio] as a float64 tensor on w's device. Δw/lr is what the
-    chunks sum: lr² multiplies it once at the end (a tensor lr stays a tensor)."""
-    flat = w.reshape(-1)
-    acc = torch.zeros(3, dtype=torch.float64, device=w.device)
-    for start in range(0, flat.numel(), CHUNK):
-        sl = slice(start, start + CHUNK)
-        a = direction(sl)
-        prev = (_up(flat[sl]) + lr * a) / (1 - lr * c) if _nonzero(c) else _up(flat[sl]) + lr * a
-        step = a + c * prev if _nonzero(c) else a
-        acc[0] += step.square().sum(dtype=torch.float64)
-        acc[1] += prev.square().sum(dtype=torch.float64)
-        if ratio is not None:
-            acc[2] += ratio(sl, prev).sum(dtype=torch.float64)
-    return torch.stack((acc[0] * (lr * lr), acc[1], acc[2]))
-
-
-def _nonzero(c: Any) -> bool:
-    # a Python number is decided on the host; a tensor decay is always applied (reading it would sync)
-    return isinstance(c, torch.Tensor) or c != 0
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1)
+        step = _host_step(state["step"]) if is_adam else None
+        # a step count on the device cannot be compared without a sync: its own batch
+        key = (k, step if not isinstance(step, torch.Tensor) else id(step), p.device)
+        numel = p.numel()
+        for start in range(0, numel, CHUNK):
+            size = min(CHUNK, numel - start)
+            batch = open_.get(key)
+            if batch is None or batch.numel + size > CHUNK:
+                if batch is not None:
+                    done.append(batch)
+                batch = open_[key] = _Batch(group, step, [], {name: [] for name in tensors})
+            for name, t in tensors.items():
+                batch.tensors[name].append(_up(t.detach().reshape(-1)[start:start + size]))
+            batch.owners.append(j)
+            batch.numel += size
+    return done + list(open_.values())
 
 
 def _up(t: torch.Tensor) -> torch.Tensor:
-    """A chunk in float32 at least (bf16/fp16 state and gradients are widened)."""
+    """A piece in float32 at least (bf16/fp16 weights, state and gradients are widened)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-def _sgd(group: Mapping[str, Any], state: Mapping[str, Any], g: torch.Tensor
-         ) -> Optional[Tuple[Any, Direction, None]]:
-    """(c, A, no ratio) of torch.optim.SGD: g' = ±g + wd·w_{t-1}; plain: Δw = -lr·g';
-    momentum: -lr·buf_t (buf_t holds the decay); Nesterov: -lr·(g' + μ·buf_t)."""
-    sign = -1.0 if group.get("maximize", False) else 1.0
-    momentum, wd = group.get("momentum", 0), group.get("weight_decay", 0)
-    grad = _flat(g)
-    if momentum == 0:
-        return wd, lambda sl: sign * _up(grad[sl]), None
-    buf = state.get("momentum_buffer")
-    if buf is None:
-        return None
-    buf = _flat(buf)
-    if group.get("nesterov", False):
-        return wd, lambda sl: sign * _up(grad[sl]) + momentum * _up(buf[sl]), None
-    return 0, lambda sl: _up(buf[sl]), None
-
-
-def _adam(group: Mapping[str, Any], state: Mapping[str, Any], g: torch.Tensor
-          ) -> Optional[Tuple[Any, Direction, Ratio]]:
-    """(c, A, ratio) of torch.optim.Adam/AdamW: A = m̂/(√v̂+ε) with v the max_exp_avg_sq
-    under amsgrad (m already holds maximize's sign); c = wd when the decay is decoupled.
-    The ratio is g'²/max(v̂, ε²) with v̂ from exp_avg_sq, g' = ±g (+ wd·w_{t-1} for
-    Adam's L2 decay): the RMS of it is bounded by about (1-β2)^(-1/2)."""
-    if "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
-        return None
-    beta1, beta2 = group["betas"]
-    eps, wd = group["eps"], group.get("weight_decay", 0)
-    decoupled = group.get("decoupled_weight_decay", False)
-    step = _host_step(state["step"])
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
-    m, v2 = _flat(state["exp_avg"]), _flat(state["exp_avg_sq"])
-    v = _flat(state["max_exp_avg_sq"]) if group.get("amsgrad", False) else v2
-    sign = -1.0 if group.get("maximize", False) else 1.0
-    grad = _flat(g)
-
-    def direction(sl: slice) -> torch.Tensor:
-        return (_up(m[sl]) / bc1) / ((_up(v[sl]) / bc2).sqrt() + eps)
-
-    def ratio(sl: slice, prev: torch.Tensor) -> torch.Tensor:
-        consumed = sign * _up(grad[sl])
-        if not decoupled and _nonzero(wd):
-            consumed = consumed + wd * prev
-        return consumed.square() / (_up(v2[sl]) / bc2).clamp_min(eps * eps)
-
-    return (wd if decoupled else 0), direction, ratio
 
 
 def _host_step(step: Any) -> Any:
@@ -176,3 +133,97 @@ def _host_step(step: Any) -> Any:
     if isinstance(step, torch.Tensor) and step.device.type == "cpu":
         return float(step.tolist())
     return step
+
+
+def _nonzero(c: Any) -> bool:
+    # a Python number is decided on the host; a tensor decay is always applied (reading it would sync)
+    return isinstance(c, torch.Tensor) or c != 0
+
+
+def _axpy(x: List[torch.Tensor], y: List[torch.Tensor], alpha: Any) -> List[torch.Tensor]:
+    """x + alpha·y: one pass over memory when alpha is a number, two for a tensor."""
+    if isinstance(alpha, torch.Tensor):
+        out = torch._foreach_mul(y, alpha)
+        torch._foreach_add_(out, x)
+        return out
+    return torch._foreach_add(x, y, alpha=alpha)
+
+
+def _update_sums(a: List[torch.Tensor], w: List[torch.Tensor], lr: Any, c: Any, k: Any = 1.0
+                 ) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+    """(Σ Δw², Σ w_{t-1}² per piece, (1 - lr·c)·w_{t-1} pieces) of A = k·a. Scalars stay
+    out of the element-wise passes (each pass costs about what the optimizer's own step
+    costs on a CPU): they scale the norms instead."""
+    shrink = 1 - lr * c
+    prev = _axpy(w, a, lr * k)  # (1 - lr·c)·w_{t-1}
+    step = _axpy(a, prev, c / (k * shrink)) if _nonzero(c) else a  # (A + c·w_{t-1}) / k
+    moved = torch.stack(torch._foreach_norm(step)).double() * (lr * k)
+    weight = torch.stack(torch._foreach_norm(prev)).double() / shrink
+    return moved.square(), weight.square(), prev
+
+
+def _sgd_tensors(group: Dict[str, Any], state: Dict[str, Any], p: torch.Tensor, g: torch.Tensor
+                 ) -> Optional[Dict[str, torch.Tensor]]:
+    if group.get("momentum", 0) == 0:
+        return {"w": p, "g": g}
+    buf = state.get("momentum_buffer")
+    return {"w": p, "g": g, "buf": buf} if buf is not None else None
+
+
+def _sgd_sums(batch: _Batch) -> torch.Tensor:
+    """torch.optim.SGD: g' = ±g + wd·w_{t-1}; plain: Δw = -lr·g' (A = ±g, c = wd);
+    momentum: -lr·buf_t, which holds the decay (A = buf_t, c = 0); Nesterov:
+    -lr·(g' + μ·buf_t) (A = ±g + μ·buf_t, c = wd)."""
+    group, t = batch.group, batch.tensors
+    momentum, wd = group.get("momentum", 0), group.get("weight_decay", 0)
+    sign = -1.0 if group.get("maximize", False) else 1.0
+    if momentum == 0:
+        a, c, k = t["g"], wd, sign
+    elif group.get("nesterov", False):
+        a, c, k = torch._foreach_add(t["g"], t["buf"], alpha=sign * momentum), wd, sign
+    else:
+        a, c, k = t["buf"], 0, 1.0
+    moved, weight, _ = _update_sums(a, t["w"], group["lr"], c, k)
+    return torch.stack((moved, weight, torch.zeros_like(moved)), dim=1)
+
+
+def _adam_tensors(group: Dict[str, Any], state: Dict[str, Any], p: torch.Tensor, g: torch.Tensor
+                  ) -> Optional[Dict[str, torch.Tensor]]:
+    if "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
+        return None
+    out = {"w": p, "g": g, "m": state["exp_avg"], "v2": state["exp_avg_sq"]}
+    if group.get("amsgrad", False):
+        out["v"] = state["max_exp_avg_sq"]
+    return out
+
+
+def _adam_sums(batch: _Batch) -> torch.Tensor:
+    """torch.optim.Adam/AdamW: A = m̂/(√v̂+ε) with v the max_exp_avg_sq under amsgrad
+    (m already holds maximize's sign); c = wd when the decay is decoupled. The third
+    column is Σ g'²/max(v̂, ε²) with v̂ from exp_avg_sq and g' = ±g (+ wd·w_{t-1} for
+    Adam's L2 decay): its RMS is bounded by about (1-β2)^(-1/2)."""
+    group, t, step = batch.group, batch.tensors, batch.step
+    beta1, beta2 = group["betas"]
+    eps, wd = group["eps"], group.get("weight_decay", 0)
+    decoupled = group.get("decoupled_weight_decay", False)
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    # The bias corrections move out of the element-wise passes (memory-bound: each one
+    # costs as much as the optimizer's own step): m̂/(√v̂+ε) = m/(√v+ε√bc2) · √bc2/bc1.
+    a = torch._foreach_sqrt(t.get("v", t["v2"]))
+    torch._foreach_add_(a, eps * bc2 ** 0.5)
+    a = torch._foreach_div(t["m"], a)
+    moved, weight, prev = _update_sums(a, t["w"], group["lr"], wd if decoupled else 0, bc2 ** 0.5 / bc1)
+    del a
+    consumed = t["g"]  # its sign (maximize) only matters beside the L2 decay
+    if not decoupled and _nonzero(wd):  # then c = 0: prev is w_{t-1} itself
+        consumed = _axpy(consumed, prev, -wd if group.get("maximize", False) else wd)
+    del prev
+    # g'²/max(v̂, ε²) = bc2 · g'²/max(v, bc2·ε²); a device bc2 cannot be a clamp bound
+    if isinstance(bc2, torch.Tensor):
+        floor, scale = torch._foreach_div(t["v2"], bc2), 1.0
+        torch._foreach_clamp_min_(floor, eps * eps)
+    else:
+        floor, scale = torch._foreach_clamp_min(t["v2"], bc2 * eps * eps), bc2
+    torch._foreach_sqrt_(floor)
+    ratio = torch.stack(torch._foreach_norm(torch._foreach_div(consumed, floor))).double().square() * scale
+    return torch.stack((moved, weight, ratio), dim=1)
