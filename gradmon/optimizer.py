@@ -31,8 +31,10 @@ import torch
 CHUNK_BYTES = 64 * 2 ** 20
 """Most bytes of float32 temporaries alive at once while reading one batch."""
 _TEMPORARIES = 5  # float32 pieces alive at once in _adam_sums (at most)
-CHUNK = CHUNK_BYTES // (4 * _TEMPORARIES)
-"""Most elements of one batch."""
+CHUNK = min(CHUNK_BYTES // (4 * _TEMPORARIES), 2 ** 20)
+"""Most elements of one batch. Smaller than the memory cap allows: the passes over a
+batch of 4 MB pieces find it still in the CPU's cache (measured ~1.5x faster than
+3M-element batches on the reference benchmark's model)."""
 
 #: Optimizers whose update gradmon can rebuild, by exact type: a subclass may change
 #: the rule, and a wrong ratio is worse than a layer counted as uncovered.
