@@ -18,6 +18,8 @@
   reduced gradient, before any ``clip_grad_norm_`` the user calls between backward and
   step, whichever module's forward the user called.
 * Global optimizer step hooks close the step: one packet, one device-to-host copy.
+  Before it is closed, the post-step hook reads the learning rates and, on sampled
+  steps, what the optimizer did (``optimizer.read``: the OPTIMIZER moment).
 
 Between detail steps (``detail_every``) the layers' forward hooks return at once; the
 hooks on the root module and its direct children record two extremes of their values

@@ -108,7 +108,11 @@ def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam
             continue
         step = _host_step(state["step"]) if is_adam else None
         # a step count on the device cannot be compared without a sync: its own batch
-        key = (k, step if not isinstance(step, torch.Tensor) else id(step), p.device)
+        key = (k, step if not isinstance(step, torch.Tensor) else id(step), p.device,
+               torch.promote_types(p.dtype, torch.float32))
+        # a view where the memory is contiguous; a copy otherwise (channels_last weights
+        # and their state flatten in the same element order, so the pieces still match)
+        flat = {name: t.detach().reshape(-1) for name, t in tensors.items()}
         numel = p.numel()
         for start in range(0, numel, CHUNK):
             size = min(CHUNK, numel - start)
@@ -117,8 +121,8 @@ def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam
                 if batch is not None:
                     done.append(batch)
                 batch = open_[key] = _Batch(group, step, [], {name: [] for name in tensors})
-            for name, t in tensors.items():
-                batch.tensors[name].append(_up(t.detach().reshape(-1)[start:start + size]))
+            for name, t in flat.items():
+                batch.tensors[name].append(_up(t[start:start + size]))
             batch.owners.append(j)
             batch.numel += size
     return done + list(open_.values())

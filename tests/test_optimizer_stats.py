@@ -255,3 +255,20 @@ def test_optimizer_every_samples_the_ratio_and_zero_turns_everything_off(attach)
     assert not [k for k in s if k[0] in ("gradmon_update_to_weight_ratio", "gradmon_adam_rms",
                                          "gradmon_learning_rate")]
     assert not [k for k in s if k[0] == "gradmon_uncovered_layers" and ("family", "optimizer") in k[1]]
+
+
+def test_channels_last_weights_and_their_state_are_read_element_for_element(attach):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).to(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    mon = attach(model, optimizer_every=1)
+    for step in range(2):
+        model(torch.randn(2, 3, 7, 7).to(memory_format=torch.channels_last)).square().mean().backward()
+        before = {layer: [p.detach().clone() for p in _params(model, layer)] for layer in LAYERS}
+        opt.step()
+        opt.zero_grad()
+        s = fresh(mon)
+        for layer in LAYERS:
+            expected = _applied_ratio(before[layer], _params(model, layer))
+            assert value(s, "gradmon_update_to_weight_ratio", layer=layer) == pytest.approx(expected, rel=1e-4)
