@@ -156,16 +156,28 @@ def _axpy(x: List[torch.Tensor], y: List[torch.Tensor], alpha: Any) -> List[torc
 
 
 def _update_sums(a: List[torch.Tensor], w: List[torch.Tensor], lr: Any, c: Any, k: Any = 1.0
-                 ) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
-    """(Σ Δw², Σ w_{t-1}² per piece, (1 - lr·c)·w_{t-1} pieces) of A = k·a. Scalars stay
-    out of the element-wise passes (each pass costs about what the optimizer's own step
-    costs on a CPU): they scale the norms instead."""
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(Σ Δw², Σ w_{t-1}²) per piece, for A = k·a. Each element-wise pass costs about
+    what the optimizer's own step costs on a CPU, so nothing of size n is written here:
+    with P = (1 - lr·c)·w_{t-1} = w + lr·k·a, ‖P‖² and ‖a + c'·P‖² expand into ‖w‖²,
+    ‖a‖² and ⟨w, a⟩. No cancellation to fear: lr·k·‖a‖ is far below ‖w‖, and c'·P (the
+    decay) far below a except where Adam's update is near zero."""
     shrink = 1 - lr * c
-    prev = _axpy(w, a, lr * k)  # (1 - lr·c)·w_{t-1}
-    step = _axpy(a, prev, c / (k * shrink)) if _nonzero(c) else a  # (A + c·w_{t-1}) / k
-    moved = torch.stack(torch._foreach_norm(step)).double() * (lr * k)
-    weight = torch.stack(torch._foreach_norm(prev)).double() / shrink
-    return moved.square(), weight.square(), prev
+    alpha = lr * k
+    ww = _squares(w)
+    aa = _squares(a)
+    wa = torch.stack([torch.dot(x, y) for x, y in zip(w, a)]).double()
+    pp = ww + 2 * alpha * wa + alpha * alpha * aa  # ‖P‖²
+    if _nonzero(c):
+        cp = c / (k * shrink)  # A + c·w_{t-1} = k·(a + cp·P)
+        step = aa + 2 * cp * (wa + alpha * aa) + cp * cp * pp
+    else:
+        step = aa
+    return step.clamp_min(0) * (alpha * alpha), pp / (shrink * shrink)
+
+
+def _squares(t: List[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(torch._foreach_norm(t)).double().square()
 
 
 def _sgd_tensors(group: Dict[str, Any], state: Dict[str, Any], p: torch.Tensor, g: torch.Tensor
@@ -189,7 +201,7 @@ def _sgd_sums(batch: _Batch) -> torch.Tensor:
         a, c, k = torch._foreach_add(t["g"], t["buf"], alpha=sign * momentum), wd, sign
     else:
         a, c, k = t["buf"], 0, 1.0
-    moved, weight, _ = _update_sums(a, t["w"], group["lr"], c, k)
+    moved, weight = _update_sums(a, t["w"], group["lr"], c, k)
     return torch.stack((moved, weight, torch.zeros_like(moved)), dim=1)
 
 
@@ -213,23 +225,31 @@ def _adam_sums(batch: _Batch) -> torch.Tensor:
     eps, wd = group["eps"], group.get("weight_decay", 0)
     decoupled = group.get("decoupled_weight_decay", False)
     bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
-    # The bias corrections move out of the element-wise passes (memory-bound: each one
-    # costs as much as the optimizer's own step): m̂/(√v̂+ε) = m/(√v+ε√bc2) · √bc2/bc1.
-    a = torch._foreach_sqrt(t.get("v", t["v2"]))
-    torch._foreach_add_(a, eps * bc2 ** 0.5)
-    a = torch._foreach_div(t["m"], a)
-    moved, weight, prev = _update_sums(a, t["w"], group["lr"], wd if decoupled else 0, bc2 ** 0.5 / bc1)
-    del a
-    consumed = t["g"]  # its sign (maximize) only matters beside the L2 decay
-    if not decoupled and _nonzero(wd):  # then c = 0: prev is w_{t-1} itself
-        consumed = _axpy(consumed, prev, -wd if group.get("maximize", False) else wd)
-    del prev
-    # g'²/max(v̂, ε²) = bc2 · g'²/max(v, bc2·ε²); a device bc2 cannot be a clamp bound
-    if isinstance(bc2, torch.Tensor):
+    lr, maximize = group["lr"], group.get("maximize", False)
+    # The bias corrections stay out of the element-wise passes: m̂/(√v̂+ε) = k·m/(√v+ε√bc2)
+    # with k = √bc2/bc1, and g'²/max(v̂, ε²) = bc2·(g'/max(√v, ε√bc2))².
+    root = torch._foreach_sqrt(t["v2"])
+    if isinstance(bc2, torch.Tensor):  # a device step: no tensor clamp bound, one more pass
         floor, scale = torch._foreach_div(t["v2"], bc2), 1.0
         torch._foreach_clamp_min_(floor, eps * eps)
+        torch._foreach_sqrt_(floor)
     else:
-        floor, scale = torch._foreach_clamp_min(t["v2"], bc2 * eps * eps), bc2
-    torch._foreach_sqrt_(floor)
-    ratio = torch.stack(torch._foreach_norm(torch._foreach_div(consumed, floor))).double().square() * scale
+        floor, scale = torch._foreach_clamp_min(root, eps * bc2 ** 0.5), bc2
+    if not decoupled and _nonzero(wd):
+        # Adam's L2 decay: g' = ±g + wd·w_{t-1}, which needs A first
+        consumed = None
+    else:
+        consumed = t["g"]  # its sign (maximize) does not change its square
+        ratio = _squares(torch._foreach_div(consumed, floor)) * scale
+    if "v" in t:
+        root = torch._foreach_sqrt(t["v"])  # amsgrad steps with max_exp_avg_sq
+    torch._foreach_add_(root, eps * bc2 ** 0.5)
+    a = torch._foreach_div(t["m"], root)
+    del root
+    k = bc2 ** 0.5 / bc1
+    moved, weight = _update_sums(a, t["w"], lr, wd if decoupled else 0, k)
+    if consumed is None:
+        prev = _axpy(t["w"], a, lr * k)  # c = 0: this is w_{t-1}
+        consumed = _axpy(t["g"], prev, -wd if maximize else wd)  # ±g' (sign squared away)
+        ratio = _squares(torch._foreach_div(consumed, floor)) * scale
     return torch.stack((moved, weight, ratio), dim=1)
