@@ -160,8 +160,9 @@ def _update_sums(a: List[torch.Tensor], w: List[torch.Tensor], lr: Any, c: Any, 
     """(Σ Δw², Σ w_{t-1}²) per piece, for A = k·a. Each element-wise pass costs about
     what the optimizer's own step costs on a CPU, so nothing of size n is written here:
     with P = (1 - lr·c)·w_{t-1} = w + lr·k·a, ‖P‖² and ‖a + c'·P‖² expand into ‖w‖²,
-    ‖a‖² and ⟨w, a⟩. No cancellation to fear: lr·k·‖a‖ is far below ‖w‖, and c'·P (the
-    decay) far below a except where Adam's update is near zero."""
+    ‖a‖² and ⟨w, a⟩. The cross terms are small beside the leading one (lr·k·‖a‖ is far
+    below ‖w‖; the decay c'·P far below a unless Adam's step is near zero), so their
+    float32 rounding barely reaches the result; a negative from rounding is clamped."""
     shrink = 1 - lr * c
     alpha = lr * k
     ww = _squares(w)
