@@ -79,6 +79,14 @@ class Config:
     more than the 3% budget on every step (see README's benchmark), so the default
     samples them; 1 measures them on every step."""
 
+    optimizer_every: int = 10
+    """Read the update-to-weight ratio and Adam's second-moment RMS from the optimizer's
+    state every N optimizer steps (the first step included); the learning rate of each
+    parameter group is read on every step whatever this says. 0 turns the ratio and the
+    RMS off. Reading the state is
+    one more pass over the weights and the optimizer's moments, so the default samples
+    it like ``detail_every``: the ratio and the RMS move slowly."""
+
     include: Tuple[str, ...] = ()
     """Glob patterns (fnmatch) over layer names to monitor; empty means all layers."""
 
@@ -292,6 +300,7 @@ def _validate(cfg: Config) -> None:
     _in_range(cfg, "max_connections", 4, 1024, "an integer in 4..1024")
     for name in ("every", "detail_every"):
         _in_range(cfg, name, 1, math.inf, "a positive integer number of optimizer steps")
+    _in_range(cfg, "optimizer_every", 0, math.inf, "a number of optimizer steps, 0 to turn the optimizer statistics off")
     for name in ("include", "exclude"):
         if not all(getattr(cfg, name)):
             _fail(name, f"must not contain an empty pattern, got {getattr(cfg, name)!r}")

@@ -117,6 +117,8 @@ def add_view(fam: _Families, view: ExportView) -> None:
         fam.add(M.HOOK_ERRORS, _with(base, stage=stage), count)
     for family, count in s.uncovered:
         fam.add(M.UNCOVERED_LAYERS, _with(base, family=family), count)
+    for group, lr in enumerate(s.learning_rates):
+        fam.add(M.LEARNING_RATE, _with(base, group=str(group)), lr)
 
 
 class GradmonCollector:

@@ -18,6 +18,8 @@
   reduced gradient, before any ``clip_grad_norm_`` the user calls between backward and
   step, whichever module's forward the user called.
 * Global optimizer step hooks close the step: one packet, one device-to-host copy.
+  Before it is closed, the post-step hook reads the learning rates and, on sampled
+  steps, what the optimizer did (``optimizer.read``: the OPTIMIZER moment).
 
 Between detail steps (``detail_every``) the layers' forward hooks return at once; the
 hooks on the root module and its direct children record two extremes of their values
@@ -40,7 +42,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import amp, sharded, stats
+from . import amp, optimizer, sharded, stats
 from . import statistics as S
 from .config import Config
 from .errors import ErrorLog
@@ -100,17 +102,6 @@ def _optimizer_step_value(opt: torch.optim.Optimizer) -> Optional[int]:
                 return int(value.tolist())  # tolist reads CPU memory, no dispatch, no sync
             return None  # capturable/fused state lives on the device: reading it would sync
     return None
-
-
-def _host_learning_rates(opt: torch.optim.Optimizer) -> Tuple[Optional[float], ...]:
-    """Each parameter group's learning rate where it is a Python number, free to read;
-    None where it is a tensor (a capturable schedule's device tensor: reading it would
-    wait for the device)."""
-    out: List[Optional[float]] = []
-    for group in opt.param_groups:
-        lr = group.get("lr")
-        out.append(float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None)
-    return tuple(out)
 
 
 def _loss_value(loss: Any) -> torch.Tensor:
@@ -192,7 +183,7 @@ class Recorder:
         self.statistics = tuple(statistics)
         self._at: Dict[str, Tuple[Statistic, ...]] = {
             at: tuple(st for st in self.statistics if st.at == at)
-            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER)}
+            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER, S.OPTIMIZER)}
         self.errors = errors
         self.publish = publish
         self._slots: List[Tuple[weakref.ref, str]] = []
@@ -219,8 +210,10 @@ class Recorder:
         self.step_offset = 0
         self.detail_now = True
         self.blocks = 0  # the root module's direct children: BLOCK keys 1..blocks
-        # PARAM_GRAD statistics of this step: name -> (rows, parameter and numel of each row)
+        # PARAM_GRAD and OPTIMIZER statistics of this step: name -> (rows, parameter and numel of each row)
         self._batched: Dict[str, Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]] = {}
+        self._learning_rates: Tuple[Any, ...] = ()  # this step's, per param group: floats or tensors
+        self._unread: set = set()  # optimizers whose state could not be read, already logged
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._accumulated = False  # autograd accumulated a monitored gradient in this backward
         self._fresh_backward = False  # self._batched holds this step's gradients
@@ -232,7 +225,7 @@ class Recorder:
         # OUTPUT records are complete once the root forward returned; the others once
         # their backward pass ended
         self._records: Dict[str, _Records] = {st.name: _Records(keyed=st.by_parameter)
-                                              for st in self.statistics if st.at != S.PARAM_GRAD}
+                                              for st in self.statistics if st.at not in S.BATCHED}
 
     def statistics_at(self, *moments: str) -> Tuple[Statistic, ...]:
         return tuple(st for at in moments for st in self._at[at])
@@ -463,7 +456,8 @@ class Recorder:
             if g is not None:
                 present.append(i)
                 grads.append(sharded.local(g))  # a shard's own elements; summed at the step
-        self._batched = {}
+        for st in self._at[S.PARAM_GRAD]:
+            self._batched.pop(st.name, None)
         for st in self._at[S.PARAM_GRAD] if grads else ():
             rows, order = st.record(grads, grads[0].device)
             self._batched[st.name] = (rows, tuple(present[j] for j in order), tuple(grads[j].numel() for j in order))
@@ -488,7 +482,9 @@ class Recorder:
     def _step_scalars(self, scale: Optional[torch.Tensor]) -> Tuple[Tuple[str, ...], List[torch.Tensor]]:
         """The step scalars of this step, names and 0-d device tensors, in packet order."""
         named = ((S.SCALAR_AMP_SCALE, scale),
-                 (S.SCALAR_LOSS, self._loss_sum / self._loss_count if self._loss_sum is not None else None))
+                 (S.SCALAR_LOSS, self._loss_sum / self._loss_count if self._loss_sum is not None else None),
+                 *((S.learning_rate_scalar(group), lr.detach().reshape(()))
+                   for group, lr in enumerate(self._learning_rates) if isinstance(lr, torch.Tensor)))
         present = [(name, t) for name, t in named if t is not None]
         return tuple(name for name, _ in present), [t for _, t in present]
 
@@ -538,11 +534,58 @@ class Recorder:
             if not self.active or not self.owns(opt) or not self._fresh_backward:
                 return
             gs = _optimizer_step_value(opt)
-            lrs = _host_learning_rates(opt)
+            # every step, whatever optimizer_every says: floats are free, tensors are packed
+            self._learning_rates = tuple(group.get("lr") for group in opt.param_groups)
         except Exception as exc:
             self.errors.record("step", exc)
             return
-        self.end_step(gs, by_optimizer=True, learning_rates=lrs)
+        self._read_optimizer(opt)
+        self.end_step(gs, by_optimizer=True)
+
+    def _read_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """After the step that closes this one, before its packet: what the optimizer did,
+        on sampled steps (``optimizer_every``). A second optimizer over the same model
+        steps after the packet is closed: its parameters stay unread (counted as uncovered)."""
+        every = self.cfg.optimizer_every
+        if not every:
+            return
+        t0 = perf_counter()
+        try:
+            if self._at[S.OPTIMIZER] and self.steps % every == 0:
+                self._read_state(opt)
+        except Exception as exc:
+            self.errors.record("step", exc)
+        finally:
+            self.overhead += perf_counter() - t0
+
+    def _read_state(self, opt: torch.optim.Optimizer) -> None:
+        if self.sharded or not optimizer.supported(opt):
+            self._say_unread_once(opt)
+            return
+        present: List[int] = []
+        params: List[torch.Tensor] = []
+        for i, p in enumerate(self.current_params()):
+            if p is not None and p.grad is not None:
+                present.append(i)
+                params.append(p)
+        if not params:
+            return
+        reading = optimizer.read(opt, params, params[0].grad.device)
+        for st in self._at[S.OPTIMIZER]:
+            out = st.record(reading)
+            if out is not None:
+                rows, order = out
+                self._batched[st.name] = (rows, tuple(present[j] for j in order),
+                                          tuple(params[j].numel() for j in order))
+
+    def _say_unread_once(self, opt: torch.optim.Optimizer) -> None:
+        what = type(opt).__name__ + (" under FSDP" if self.sharded else "")
+        if what in self._unread:
+            return
+        self._unread.add(what)
+        log.warning("gradmon: cannot read the update of %s (gradmon reads torch.optim.SGD, Adam and AdamW, not "
+                    "under FSDP); its layers are counted in gradmon_uncovered_layers{family=\"optimizer\"} and have "
+                    "no gradmon_update_to_weight_ratio or gradmon_adam_rms", what)
 
     def manual_step(self, global_step: Optional[int]) -> None:
         if not self.active:
@@ -586,14 +629,13 @@ class Recorder:
             self._close_step()
             self.overhead += perf_counter() - t0
 
-    def end_step(self, optimizer_step: Optional[int], by_optimizer: bool,
-                 learning_rates: Tuple[Optional[float], ...] = ()) -> None:
+    def end_step(self, optimizer_step: Optional[int], by_optimizer: bool) -> None:
         t0 = perf_counter()
         index = self.steps
         self._stepped = True
         global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
         packet = StepPacket(index, global_step, time.time(), measured_at_step=self._measured_at_step,
-                            learning_rates=learning_rates)
+                            learning_rates=S.host_learning_rates(self._learning_rates))
         if self._shard_groups:
             self._reduce_shards()
         try:
@@ -619,6 +661,7 @@ class Recorder:
 
     def _close_step(self) -> None:
         self._batched = {}
+        self._learning_rates = ()
         self._scale = None
         self._measure_failed = False
         self._fresh_backward = False
@@ -650,7 +693,7 @@ class Recorder:
         # A GradScaler's loss scale is divided out on the device, column by column.
         inv = self._scale.double().reciprocal().reshape(()) if self._scale is not None else None
         for st in self.statistics:
-            if st.at == S.PARAM_GRAD:
+            if st.at in S.BATCHED:
                 if st.name not in self._batched:
                     continue
                 rows, keys, numels = self._batched[st.name]

@@ -40,7 +40,8 @@ SPIKE_SIGNALS: Tuple[str, ...] = (SIGNAL_LOSS, SIGNAL_GRAD_NORM, SIGNAL_LOCAL_GR
 FAMILY_GRAD = "grad"
 FAMILY_GRAD_FLOW = "grad_flow"
 FAMILY_ACTIVATION = "activation"
-FAMILIES: Tuple[str, ...] = (FAMILY_GRAD, FAMILY_GRAD_FLOW, FAMILY_ACTIVATION)
+FAMILY_OPTIMIZER = "optimizer"
+FAMILIES: Tuple[str, ...] = (FAMILY_GRAD, FAMILY_GRAD_FLOW, FAMILY_ACTIVATION, FAMILY_OPTIMIZER)
 
 #: Run states exported by ``gradmon_run_state``. The ends of a run: ``finished`` (detach,
 #: the end of a ``with`` block or of the script), ``failed`` (an exception or a non-zero
@@ -93,6 +94,14 @@ ACTIVATION_RMS = _spec("activation_rms", "gauge", ("layer",),
                        "RMS of the layer's output at the last detail step (training forward passes only).")
 ACTIVATION_ABS_MAX = _spec("activation_abs_max", "gauge", ("layer",),
                            "Max |x| of the layer's output at the last detail step.")
+UPDATE_TO_WEIGHT_RATIO = _spec("update_to_weight_ratio", "gauge", ("layer",),
+                                "‖Δw‖/‖w_{t-1}‖ of the update the optimizer applied to the layer's parameters at the "
+                                "last optimizer_every step (SGD, Adam, AdamW; rebuilt from the optimizer's state).")
+ADAM_RMS = _spec("adam_rms", "gauge", ("layer",),
+                 "sqrt(mean(g²/max(v̂, ε²))) of the layer's parameters at the last optimizer_every step (Adam, "
+                 "AdamW): bounded by about (1-β2)^(-1/2); near the bound, v̂ lags a gradient spike.")
+LEARNING_RATE = _spec("learning_rate", "gauge", ("group",),
+                      "Learning rate of each parameter group (index) of the optimizer at the last step.")
 NONFINITE = _spec("nonfinite", "counter", ("layer", "tensor", "kind"),
                   "Non-finite (NaN or Inf) elements seen, by layer, tensor and kind.")
 NONFINITE_ORIGIN = _spec("nonfinite_origin_step", "gauge", ("tensor", "layer"),

@@ -44,7 +44,8 @@ class StepPacket:
     sampled: bool = True
     detail: bool = False
     measured_at_step: bool = False  # gradients measured at the optimizer step, not at the end of backward
-    learning_rates: Tuple[Optional[float], ...] = ()  # per parameter group; None: a device tensor, not read
+    learning_rates: Tuple[Optional[float], ...] = ()
+    """Per param group; None: a tensor, packed as the step scalar ``lr/<group>``."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Coverage(Mapping[str, FrozenSet[str]]):
     """What gradmon could observe, as ``Monitor.coverage()`` returns it.
 
     It reads as ``{layer: families observed so far}`` (``grad``, ``grad_flow``,
-    ``activation``); the fields say which families apply to a layer and at which moment
+    ``activation``, ``optimizer``); the fields say which families apply to a layer and at which moment
     the gradients were measured."""
 
     observed: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
@@ -142,6 +143,7 @@ class Snapshot:
     coverage: Coverage = field(default_factory=Coverage)
     spike_scores: Tuple[Tuple[str, float], ...] = ()  # signal, score at its last scored step
     spike_steps: Tuple[Tuple[str, int], ...] = ()  # signal, spike steps; every signal that applies
+    learning_rates: Tuple[float, ...] = ()  # per param group of the optimizer that closed the last step
 
     @property
     def global_norm(self) -> Optional[float]:
@@ -262,6 +264,7 @@ class Aggregator:
         self.seen: Dict[str, set] = {f: set() for f in M.FAMILIES}
         self.amp_skipped_steps = 0
         self.amp_loss_scale: Optional[float] = None
+        self.learning_rates: Tuple[float, ...] = ()
         self.detail_backward_steps = 0
         self.measured_at_step = 0
         self._gaps_logged = False
@@ -312,23 +315,20 @@ class Aggregator:
         self.spikes.relabel(global_step)
 
     def fold(self, packet: StepPacket) -> None:
-        self.spikes.new_step(packet.global_step, packet.learning_rates)
-        if packet.skipped:
-            self.amp_skipped_steps += 1
-            if packet.data is not None:
-                self._fold_scalars(packet.data.tolist(), packet.scalars)
-            return
         # Count the step before parsing anything: a packet that fails to parse must
         # still be a step, or rate(gradmon_steps_total) would lie.
-        self.steps_total += 1
-        self.global_step = packet.global_step
-        self.last_step_time = packet.time
-        if packet.measured_at_step:
-            self._count_measured_at_step()
-        if packet.data is None:
+        if packet.skipped:
+            self.amp_skipped_steps += 1
+        else:
+            self.steps_total += 1
+            self.global_step = packet.global_step
+            self.last_step_time = packet.time
+            if packet.measured_at_step:
+                self._count_measured_at_step()
+        values: List[float] = packet.data.tolist() if packet.data is not None else []
+        self._fold_scalars(values, packet)
+        if packet.skipped or packet.data is None:
             return
-        values: List[float] = packet.data.tolist()
-        self._fold_scalars(values, packet.scalars)
         self._step_origin: Dict[str, int] = {}
         self._flags: Dict[Tuple[str, int], int] = {}
         self._grads_bad = False
@@ -342,10 +342,16 @@ class Aggregator:
             self.detail_backward_steps += 1
             self._log_gaps_once()
 
-    def _fold_scalars(self, values: Sequence[float], names: Sequence[str]) -> None:
-        scalars = S.read_scalars(values, names)
+    def _fold_scalars(self, values: Sequence[float], packet: StepPacket) -> None:
+        """The step scalars; first the learning rates, which restart the spike windows
+        when they jump, then what is scored."""
+        scalars = S.read_scalars(values, packet.scalars)
         if S.SCALAR_AMP_SCALE in scalars:
             self.amp_loss_scale = scalars[S.SCALAR_AMP_SCALE]
+        lrs = tuple(scalars.get(S.learning_rate_scalar(group), math.nan) if lr is None else lr
+                    for group, lr in enumerate(packet.learning_rates))
+        self.learning_rates = lrs or self.learning_rates
+        self.spikes.new_step(packet.global_step, tuple(lr if math.isfinite(lr) else None for lr in lrs))
         loss = scalars.get(S.SCALAR_LOSS)
         if loss is not None:
             self.loss = loss
@@ -549,7 +555,8 @@ class Aggregator:
             norm_overflow_steps=self.norm_overflow_steps,
             grouped_layers=len(self.layer_group) - len(self.layer_names),
             amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale,
-            spike_scores=tuple(self.spikes.scores.items()), spike_steps=tuple(self.spikes.spikes.items()))
+            spike_scores=tuple(self.spikes.scores.items()), spike_steps=tuple(self.spikes.spikes.items()),
+            learning_rates=self.learning_rates)
 
 
 _STOP = object()

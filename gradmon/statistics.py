@@ -55,8 +55,15 @@ LAYER = "layer"
 """Every training forward, detail step or not: a layer's output. ``record(output)``; each
 call is a record. For what must be known per layer on any step (a NaN's origin)."""
 
+OPTIMIZER = "optimizer"
+"""After an optimizer step that closes a step, on sampled steps (``optimizer_every``):
+``record(reading)`` gets what ``optimizer.read`` read from that optimizer's state
+(weights, gradients, moments) and returns ``(rows, order)`` as at PARAM_GRAD, or None
+when the optimizer read nothing for it."""
+
 FORWARD = (OUTPUT, BLOCK, LAYER)  # records of forward values: their origin is first in forward order
-BY_PARAMETER = (PARAM_GRAD, LOCAL_GRAD)  # records keyed by parameter index, not layer index
+BY_PARAMETER = (PARAM_GRAD, LOCAL_GRAD, OPTIMIZER)  # records keyed by parameter index, not layer index
+BATCHED = (PARAM_GRAD, OPTIMIZER)  # every parameter's record at once, as (rows, order)
 
 # -- folds: how the values of one column combine --------------------------------------------
 
@@ -96,7 +103,7 @@ class Statistic:
     switch: Optional[str]
     """The Config field that turns it on; None: always on."""
     at: str
-    """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD, BLOCK, LAYER)."""
+    """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD, BLOCK, LAYER, OPTIMIZER)."""
     parts: Tuple[Tuple[Column, ...], ...]
     """The columns of one record, grouped as the tensors ``record`` returns them."""
     record: Callable[..., Any]
@@ -159,6 +166,13 @@ def _abs_max(c: Mapping[str, float]) -> float:
     return merge_max(c["lo"], c["hi"])
 
 
+def _ratio(c: Mapping[str, float]) -> float:
+    # a layer whose weights were all zero before the step (fresh zero init) moved infinitely far
+    if c["weight"]:
+        return c["update"] / c["weight"]
+    return math.inf if c["update"] else 0.0
+
+
 _COUNTS = (Column("nan", SUM), Column("inf", SUM))
 _GRAD_NORM = Column("norm", NORM, scale_power=1)
 
@@ -208,8 +222,22 @@ LAYER_FINITE = Statistic(
     "layer_finite", "origin_per_layer", LAYER, ((Column("lo", MIN),), (Column("hi", MAX),)),
     lambda output: stats.extremes(output), origin=M.TENSOR_ACTIVATION)
 
+# ‖Δw‖ and ‖w_{t-1}‖ fold as norms and are divided only in the gauge, so that a group
+# of layers (or a parameter's shards) gets the ratio of its sums, not a sum of ratios.
+# Weights and optimizer state are the same on every rank under DDP: rank 0 exports them.
+UPDATE_RATIO = Statistic(
+    "update_ratio", "optimizer_every", OPTIMIZER, ((Column("update", NORM), Column("weight", NORM)),),
+    lambda reading: reading.update, gauges=(LayerGauge(M.UPDATE_TO_WEIGHT_RATIO, _ratio),),
+    coverage=M.FAMILY_OPTIMIZER, reduced=True)
+
+# RMS of g'/sqrt(max(v̂, ε²)) over the layer's elements: the root of a norm over numel.
+ADAM_RMS = Statistic(
+    "adam_rms", "optimizer_every", OPTIMIZER, ((Column("norm", NORM),),),
+    lambda reading: reading.adam, gauges=(LayerGauge(M.ADAM_RMS, _rms),), reduced=True)
+
 #: Every statistic, in packet order.
-STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL, BLOCK_FINITE, LAYER_FINITE)
+STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL, BLOCK_FINITE, LAYER_FINITE,
+                                     UPDATE_RATIO, ADAM_RMS)
 
 
 def enabled(cfg: Any, **resolved: object) -> Tuple[Statistic, ...]:
@@ -234,7 +262,7 @@ def _check(table: Sequence[Statistic]) -> None:
     names = [s.name for s in table]
     assert len(set(names)) == len(names), names
     for s in table:
-        if s.at == PARAM_GRAD:
+        if s.at in BATCHED:
             # the FSDP collective and the unscaling take the rows as one block
             assert len(s.parts) == 1, s.name
         if s.counter is not None:
@@ -269,6 +297,21 @@ SCALAR_AMP_SCALE = "amp_scale"
 """The GradScaler's loss scale during the step's backward (with ``scaler=``)."""
 SCALAR_LOSS = "loss"
 """The mean of the losses ``Monitor.observe(loss=...)`` was given since the last step."""
+
+
+SCALAR_LEARNING_RATE = "lr/"
+"""Prefix of a parameter group's learning rate held as a tensor (capturable optimizers, a
+tensor ``lr``): ``lr/<group>``. A Python-float learning rate needs no packet."""
+
+
+def learning_rate_scalar(group: int) -> str:
+    return f"{SCALAR_LEARNING_RATE}{group}"
+
+
+def host_learning_rates(lrs: Sequence[Any]) -> Tuple[Optional[float], ...]:
+    """Each parameter group's learning rate where it is a Python number, free to read;
+    None where it is a tensor (reading it would wait for the device: it is packed)."""
+    return tuple(float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None for lr in lrs)
 
 
 def read_scalars(values: Sequence[float], names: Sequence[str]) -> Dict[str, float]:

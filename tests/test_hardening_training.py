@@ -232,7 +232,7 @@ def test_grads_assigned_by_hand_are_stated_once_in_the_log_and_in_coverage(attac
     assert mon.flush()
     cov = mon.coverage()
     assert cov.measured_at_step == 3
-    assert cov["head"] == frozenset({"grad", "grad_flow", "activation"})  # still reads as {layer: families}
+    assert cov["head"] == frozenset({"grad", "grad_flow", "activation", "optimizer"})  # still reads as {layer: families}
     said = [r for r in caplog.records if "measured at the optimizer step" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in said]
 

@@ -95,8 +95,8 @@ def test_multihead_attention_out_proj_gap_is_stated(attach):
     step(model, torch.randn(2, 3, 8), opt)
     mon.flush()
     cov = mon.coverage()
-    assert cov["attn.out_proj"] == frozenset({"grad"})  # its forward never runs
-    assert cov["attn"] == frozenset({"grad", "grad_flow", "activation"})
+    assert cov["attn.out_proj"] == frozenset({"grad", "optimizer"})  # its forward never runs; its parameters step
+    assert cov["attn"] == frozenset({"grad", "grad_flow", "activation", "optimizer"})
     s = scrape(mon.url)
     assert value(s, "gradmon_uncovered_layers", family="activation") == 1
     assert value(s, "gradmon_uncovered_layers", family="grad_flow") == 1
@@ -125,7 +125,7 @@ def test_lstm_tuple_outputs_dict_outputs_and_integer_outputs(attach):
     s = scrape(mon.url)
     assert value(s, "gradmon_activation_rms", layer="lstm") > 0
     assert value(s, "gradmon_hook_errors_total", stage="forward") == 0
-    assert mon.coverage()["lstm"] == frozenset({"grad", "grad_flow", "activation"})
+    assert mon.coverage()["lstm"] == frozenset({"grad", "grad_flow", "activation", "optimizer"})
 
 
 def test_frozen_layers_are_skipped_and_shared_modules_aggregate_all_calls(attach):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -69,13 +70,31 @@ def test_dispatch_mode_catches_an_item_call():
             torch.ones(2).sum().item()
 
 
-# Every family on every step; and the per-layer origin records on steps with no detail.
-@pytest.mark.parametrize("options", [dict(detail_every=1), dict(origin_per_layer=True, detail_every=100)],
-                         ids=["every_family", "origin_per_layer"])
-def test_hooked_forward_backward_and_step_never_sync_on_cpu(options):
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _adamw(params):
+    # amsgrad: the optimizer statistics' widest reading of the state. (A tensor lr makes
+    # CPU Adam itself call .item(); the CUDA test below covers tensor lr and step.)
+    return torch.optim.AdamW(params, lr=0.01, amsgrad=True, weight_decay=0.1)
+
+
+# Every family on every step; the per-layer origin records on steps with no detail; the
+# optimizer statistics on every step, SGD's and Adam's.
+@pytest.mark.parametrize("options,make", [
+    (dict(detail_every=1, optimizer_every=1), _sgd),
+    (dict(origin_per_layer=True, detail_every=100), _sgd),
+    (dict(detail_every=1, optimizer_every=1), _adamw)],
+    ids=["every_family", "origin_per_layer", "optimizer_adamw"])
+def test_hooked_forward_backward_and_step_never_sync_on_cpu(options, make, monkeypatch):
+    # CPU Adam reads its own step count with .item() (capturable Adam, which does not,
+    # needs CUDA): that read is the optimizer's, not gradmon's, so it reads host memory here.
+    monkeypatch.setattr(importlib.import_module("torch.optim.adam"), "_get_value",
+                        lambda x: x.tolist() if isinstance(x, torch.Tensor) else x)
     torch.manual_seed(0)
     model = Model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = make(model.parameters())
     train_steps(model, opt, 1, "cpu")  # the unmonitored loop itself is sync-free
     with gradmon.attach(model, port=0, addr="127.0.0.1", **options) as mon:
         with RaiseOnSync():
@@ -86,7 +105,8 @@ def test_hooked_forward_backward_and_step_never_sync_on_cpu(options):
         errors = mon._errors.counts()
     assert snap.steps_total == 3
     assert sum(errors.values()) == 0, errors
-    assert {f for fams in snap.coverage.values() for f in fams} == {"grad", "grad_flow", "activation"}
+    assert {f for fams in snap.coverage.values() for f in fams} == {"grad", "grad_flow", "activation", "optimizer"}
+    assert snap.learning_rates == (pytest.approx(0.01),)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -96,12 +116,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 
 @needs_cuda
 @pytest.mark.cuda
-def test_no_host_sync_on_cuda_under_sync_debug_mode_error():
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    # step counts and the learning rate on the device: read as tensors, never on the host
+    lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.01, device="cuda"), capturable=True, amsgrad=True)],
+    ids=["sgd", "adamw_capturable"])
+def test_no_host_sync_on_cuda_under_sync_debug_mode_error(make):
     torch.manual_seed(0)
     model = Model().cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = make(model.parameters())
     train_steps(model, opt, 1, "cuda")
-    with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1, origin_per_layer=True) as mon:
+    with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1, origin_per_layer=True,
+                        optimizer_every=1) as mon:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -102,13 +102,15 @@ def test_grouped_layers_fold_a_declared_statistic_by_its_columns(attach, with_te
 def test_the_series_budget_counts_every_declared_statistic(with_test_statistics):
     enabled = S.enabled(_cfg(), local_view=False)
     assert OUTPUT_STAT in enabled and GRAD_STAT in enabled
-    # grad 1+2, activation 2+2, grad flow 1+2, and the two test statistics' 2 gauges each
-    assert S.series_per_layer(enabled) == 3 + 4 + 3 + 2 + 2
+    # grad 1+2, activation 2+2, grad flow 1+2, update ratio 1, Adam RMS 1, and the two
+    # test statistics' 2 gauges each
+    assert S.series_per_layer(enabled) == 3 + 4 + 3 + 1 + 1 + 2 + 2
 
 
 def test_switches_turn_statistics_off():
     from gradmon.config import Config
-    names = [s.name for s in S.enabled(Config(activations=False, grad_flow=False), local_view=True)]
+    names = [s.name for s in S.enabled(Config(activations=False, grad_flow=False, optimizer_every=0),
+                                       local_view=True)]
     assert names == ["grad", "local", "block_finite"]
 
 

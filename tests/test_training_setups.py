@@ -160,7 +160,7 @@ def test_dataclass_outputs_are_measured(attach):
     model(torch.randn(2, 4)).logits.sum().backward()
     torch.optim.SGD(model.parameters(), lr=0.0).step()
     mon.flush()
-    assert mon.coverage()["1.proj"] == frozenset({"grad", "grad_flow", "activation"})
+    assert mon.coverage()["1.proj"] == frozenset({"grad", "grad_flow", "activation", "optimizer"})
 
 
 def test_a_nan_on_an_unsampled_step_still_reaches_the_counters(attach):
