@@ -111,6 +111,22 @@ def test_kurtosis_is_exact_for_activations_near_1e4_with_a_spread_of_0_1(attach)
     assert not math.isclose(naive, want, rel_tol=0.1)
 
 
+def test_kurtosis_stays_finite_when_activations_blow_up_past_float32_fourth_powers(attach):
+    torch.manual_seed(7)
+    layer = nn.Linear(16, 64)
+    with torch.no_grad():
+        layer.weight.mul_(1e10)  # outputs ~1e10: their fourth powers overflow float32 (3.4e38)
+    model = nn.Sequential(layer, nn.Linear(64, 1))
+    outputs = capture_outputs({"0": layer})
+    mon = attach(model, detail_every=1)
+    model(torch.randn(8, 16)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    mon.flush()
+    assert outputs["0"][0].float().pow(4).sum().isinf()
+    got = value(scrape(mon.url), "gradmon_activation_kurtosis", layer="0")
+    assert math.isclose(got, pearson_kurtosis(outputs["0"]), rel_tol=1e-4)
+
+
 def test_kurtosis_is_off_with_its_switch_and_with_activations():
     assert S.ACTIVATION_KURTOSIS in S.enabled(Config(), local_view=False)
     assert S.ACTIVATION_KURTOSIS not in S.enabled(Config(activation_kurtosis=False), local_view=False)

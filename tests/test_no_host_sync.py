@@ -83,6 +83,29 @@ def test_hooked_forward_backward_and_step_never_sync_on_cpu(options):
     assert {f for fams in snap.coverage.values() for f in fams} == {"grad", "grad_flow", "activation"}
 
 
+def test_fp16_headroom_and_kurtosis_of_a_float16_model_never_sync_on_cpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train(steps):
+        for _ in range(steps):
+            model(torch.randn(4, 6).half()).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    train(1)
+    with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1) as mon:
+        with RaiseOnSync():
+            train(3)
+        assert mon.flush()
+        snap = mon.snapshot()
+        errors = mon._errors.counts()
+    assert snap.steps_total == 3 and sum(errors.values()) == 0, errors
+    exported = {(s.spec.name, tuple(sorted(s.labels.items()))) for s in snap.layer_gauges if s.values}
+    assert {("gradmon_fp16_range_used", (("tensor", "activation"),)), ("gradmon_fp16_range_used", (("tensor", "grad"),)),
+            ("gradmon_grad_fp16_underflow_fraction", ()), ("gradmon_activation_kurtosis", ())} <= exported
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device: checks real device-to-host syncs "
                                        "with torch.cuda.set_sync_debug_mode('error')")
