@@ -263,7 +263,8 @@ class Monitor:
                                 self.rank.rank, self._on_incident, amp=cfg.scaler is not None,
                                 tied={layer.index: layer.tied_to for layer in layers if layer.tied_to},
                                 block_names=(M.BLOCK_INPUT, *(name for name, _ in blocks), M.BLOCK_OUTPUT),
-                                windows={"activation_baseline": cfg.activation_baseline})
+                                windows={g.baseline: getattr(cfg, g.baseline)
+                                         for st in statistics for g in st.gauges if g.baseline})
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried
