@@ -381,7 +381,8 @@ def _recentred(row: Sequence[float], n: float) -> Tuple[float, float, float, flo
 def merge_moments(acc: Sequence[float], n_acc: float, row: Sequence[float], n_row: float) -> List[float]:
     """Fold one record's MOMENTS columns into an accumulator of ``n_acc`` elements (all
     zeros when empty) by the pairwise rule for central moments (Chan et al. 1979, Pébay
-    2008): exact in any order, so a layer's calls, grouped layers and shards agree."""
+    2008): exact in any order, so a layer's several calls and grouped layers give the
+    moments of all their elements together."""
     mean_a, _, _, m2a, m3a, m4a = acc
     mean_b, m2b, m3b, m4b = _recentred(row, n_row)
     n = n_acc + n_row
@@ -401,7 +402,7 @@ def relative(value: Optional[float], baseline: Sequence[float]) -> Optional[floa
         return None
     base = median(baseline)
     if base == 0.0:
-        return 1.0 if value == 0.0 else math.inf if value == value else math.nan
+        return 1.0 if value == 0.0 else math.nan if math.isnan(value) else math.inf
     return value / base
 
 
