@@ -245,14 +245,6 @@ def test_no_fp16_series_and_no_fp16_budget_for_a_float32_model(attach):
     assert value(s, "gradmon_grouped_layers") == 0
     assert value(s, "gradmon_activation_rms", layer="0") > 0
     assert not [n for n, _ in s if n in (M.FP16_RANGE_USED.name, M.GRAD_FP16_UNDERFLOW_FRACTION.name)]
-    # forced on, the fp16 families still record float16 tensors only
-    mon.detach()
-    mon = attach(fp32, detail_every=1, fp16_headroom=True)
-    step(fp32, torch.randn(4, 8))
-    mon.flush()
-    s = scrape(mon.url)
-    assert value(s, "gradmon_activation_rms", layer="0") > 0
-    assert not [n for n, _ in s if n in (M.FP16_RANGE_USED.name, M.GRAD_FP16_UNDERFLOW_FRACTION.name)]
     # the same budget is too small once the fp16 families can exist: they are counted
     mon.detach()
     half = half_model()
@@ -260,6 +252,51 @@ def test_no_fp16_series_and_no_fp16_budget_for_a_float32_model(attach):
     step(half, torch.randn(4, 8).half())
     mon.flush()
     assert value(scrape(mon.url), "gradmon_grouped_layers") == 1
+
+
+class Cast(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)
+
+
+def fp16_layers(s) -> Dict[str, set]:
+    """Layers with a sample of each fp16 family (by name and tensor label)."""
+    out: Dict[str, set] = {}
+    for name, labels in s:
+        if name in (M.FP16_RANGE_USED.name, M.GRAD_FP16_UNDERFLOW_FRACTION.name):
+            d = dict(labels)
+            out.setdefault(f"{name}{{{d.get('tensor', '')}}}", set()).add(d["layer"])
+    return out
+
+
+def test_only_float16_layers_get_fp16_series_in_a_mixed_model(attach):
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(8, 8).half(), Cast(torch.float32), nn.Linear(8, 4),
+                          Cast(torch.bfloat16), nn.Linear(4, 4).bfloat16())
+    mon = attach(model, detail_every=1)  # a float16 parameter: the fp16 families resolve on
+    model(torch.randn(4, 8).half()).float().sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    mon.flush()
+    s = scrape(mon.url)
+    assert value(s, "gradmon_activation_rms", layer="2") > 0 and value(s, "gradmon_activation_rms", layer="4") > 0
+    assert fp16_layers(s) == {"gradmon_fp16_range_used{activation}": {"0"}, "gradmon_fp16_range_used{grad}": {"0"},
+                              "gradmon_grad_fp16_underflow_fraction{}": {"0"}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forced_on_the_fp16_families_have_no_series_for_fp32_or_bf16_layers(attach, dtype):
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
+    mon = attach(model, detail_every=1, fp16_headroom=True)
+    step(model, torch.randn(4, 8, dtype=dtype))
+    mon.flush()
+    s = scrape(mon.url)
+    assert value(s, "gradmon_activation_rms", layer="0") > 0
+    assert fp16_layers(s) == {}
 
 
 def test_fp16_headroom_is_resolved_at_attach_from_the_model_and_the_scaler():
