@@ -209,6 +209,31 @@ def test_fp16_range_used_is_max_abs_over_65504_for_a_float16_model(attach):
     assert 0 < value(s, "gradmon_fp16_range_used", layer="0", tensor="activation") < 1
 
 
+def test_under_fp16_autocast_the_grad_headroom_is_of_the_scaled_gradient(attach):
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))  # fp32 parameters
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    grads = capture_grads({"0": model[0]})
+    mon = attach(model, detail_every=1, scaler=scaler)  # a scaler: fp16 families resolve on
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(32, 8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    mon.flush()
+    g = grads["0"][0]
+    assert g.dtype == torch.float16
+    got = value(scrape(mon.url), "gradmon_fp16_range_used", layer="0", tensor="grad")
+    assert math.isclose(got, g.float().abs().max().item() / FP16_MAX, rel_tol=1e-9)
+    # the loss scale is in it: 4096x the range the unscaled gradient uses, computed afresh
+    with torch.autocast("cpu", dtype=torch.float16):
+        out0 = model[0](x)
+        unscaled, = torch.autograd.grad(model[2](model[1](out0)).float().square().mean(), out0)
+    assert math.isclose(got, unscaled.float().abs().max().item() * 2.0 ** 12 / FP16_MAX, rel_tol=1e-3)
+
+
 class Weighted(nn.Module):
     """An fp16 layer whose output gradient is exactly a given weight, cast to fp16."""
 
