@@ -3,7 +3,8 @@
     python bench/series_count.py
 
 For each model size it attaches gradmon as a DDP rank would be configured (local view on,
-RANK/WORLD_SIZE from the environment as torchrun sets them), trains one step, renders the
+RANK/WORLD_SIZE from the environment as torchrun sets them), trains until every family
+exists (gauges relative to a baseline need a few detail steps), renders the
 registry and counts samples. Rank 0 carries the reduced per-layer series; the other ranks
 carry their own (local, activation, gradient-flow) series and the summaries.
 """
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from torch import nn
 
 import gradmon
+from gradmon.statistics import MIN_BASELINE
 
 
 def model_with(layers: int) -> nn.Module:
@@ -30,8 +32,9 @@ def count(layers: int, rank: int, world: int) -> int:
     model = model_with(layers)
     registry = CollectorRegistry()
     mon = gradmon.attach(model, registry=registry, local_view=world > 1, final_scrape_timeout=0, detail_every=1)
-    model(torch.randn(2, 4)).sum().backward()
-    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    for _ in range(MIN_BASELINE):  # until the gauges relative to a baseline exist too
+        model(torch.randn(2, 4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
     mon.flush()
     text = generate_latest(registry).decode()
     mon.detach()

@@ -99,8 +99,26 @@ class Config:
     activations: bool = True
     """Activation RMS / max|x| / non-finite counts from forward hooks."""
 
+    activation_kurtosis: bool = True
+    """Kurtosis of each layer's output on detail steps (with ``activations``): outlier
+    features show as a kurtosis far above a Gaussian's 3 long before max |x| overflows.
+    Costs about 3x the other activation statistics (seven passes over each output, two
+    float32 temporaries of its size; see README, Activation and fp16 signals)."""
+
+    activation_baseline: int = 32
+    """Detail measurements of a layer's max |x| whose median is the baseline of
+    gradmon_activation_abs_max_ratio: long enough to ignore one odd batch, short enough
+    to follow a run's normal drift. Kept on the publisher thread; no training-time cost."""
+
     grad_flow: bool = True
     """Norm and non-finite counts of the gradient with respect to each layer's output."""
+
+    fp16_headroom: Optional[bool] = None
+    """gradmon_fp16_range_used and gradmon_grad_fp16_underflow_fraction for layers whose
+    output (or the gradient with respect to it) is float16, on detail steps. None turns
+    them on when the model has float16 parameters or a ``scaler`` is given (fp16
+    autocast), so that the series budget counts them only where they can exist; True
+    turns them on for fp16 autocast without ``scaler``."""
 
     origin_per_layer: bool = False
     """Record each layer's output extremes on every step, not only the top-level blocks'
@@ -319,6 +337,8 @@ def _validate(cfg: Config) -> None:
     _in_range(cfg, "spike_threshold", 1e-9, math.inf, "a positive number of robust standard deviations")
     _in_range(cfg, "spike_window", 4, math.inf, "an integer number of steps of at least 4")
     _in_range(cfg, "spike_min_steps", 4, cfg.spike_window, f"in 4..spike_window ({cfg.spike_window})")
+    from .statistics import MIN_BASELINE  # the ratio is absent until that many values exist anyway
+    _in_range(cfg, "activation_baseline", MIN_BASELINE, 10_000, f"an integer in {MIN_BASELINE}..10000")
     if cfg.scaler is not None:
         from .amp import is_scaler
         if not is_scaler(cfg.scaler):

@@ -297,7 +297,8 @@ class Recorder:
     def _record(self, at: str, key: int, t: torch.Tensor) -> None:
         """One record of every statistic recorded at ``at``, of the tensor ``t``."""
         for st in self._at[at]:
-            self._records[st.name].add(key, t.numel(), st.record(t))
+            if st.dtypes is None or t.dtype in st.dtypes:
+                self._records[st.name].add(key, t.numel(), st.record(t))
 
     # -- forward / grad flow -------------------------------------------------------
 

@@ -102,6 +102,17 @@ ADAM_RMS = _spec("adam_rms", "gauge", ("layer",),
                  "AdamW): bounded by about (1-β2)^(-1/2); near the bound, v̂ lags a gradient spike.")
 LEARNING_RATE = _spec("learning_rate", "gauge", ("group",),
                       "Learning rate of each parameter group (index) of the optimizer at the last step.")
+ACTIVATION_ABS_MAX_RATIO = _spec("activation_abs_max_ratio", "gauge", ("layer",),
+                                 "The layer's output max |x| over its own baseline: the median of its last "
+                                 "activation_baseline detail measurements (absent until 8 exist).")
+ACTIVATION_KURTOSIS = _spec("activation_kurtosis", "gauge", ("layer",),
+                            "Pearson kurtosis (a Gaussian is 3) of the layer's flattened output at the last detail step.")
+FP16_RANGE_USED = _spec("fp16_range_used", "gauge", ("layer", "tensor"),
+                        "max |x| / 65504 of the layer's float16 output (tensor=activation) or of the float16 gradient "
+                        "w.r.t. it, loss scale included (tensor=grad), at the last detail step; float16 layers only.")
+GRAD_FP16_UNDERFLOW_FRACTION = _spec("grad_fp16_underflow_fraction", "gauge", ("layer",),
+                                     "Fraction of exact zeros among the float16 gradient w.r.t. the layer's output at "
+                                     "the last detail step (underflows and true zeros alike); float16 layers only.")
 NONFINITE = _spec("nonfinite", "counter", ("layer", "tensor", "kind"),
                   "Non-finite (NaN or Inf) elements seen, by layer, tensor and kind.")
 NONFINITE_ORIGIN = _spec("nonfinite_origin_step", "gauge", ("tensor", "layer"),

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from .config import Config
 from .errors import ErrorLog
 from .hooks import HookSet, Recorder
 from .identity import RankInfo, detect
-from .layers import discover, has_trainable_parameters, is_ddp, top_blocks, unwrap
+from .layers import Layer, discover, has_trainable_parameters, is_ddp, top_blocks, unwrap
 from . import statistics as S
 from .grouping import group_layers
 from .snapshot import Aggregator, Coverage, NonFiniteIncident, Publisher, Snapshot
@@ -263,7 +263,7 @@ class Monitor:
         self._model_ref = weakref.ref(model)
         self._labels = {"model": self.name, "rank": str(self.rank.rank), **cfg.labels}
         local_view = cfg.local_view if cfg.local_view is not None else is_ddp(model)
-        statistics = S.enabled(cfg, local_view=local_view)
+        statistics = S.enabled(cfg, local_view=local_view, fp16_headroom=_fp16_headroom(cfg, layers))
         blocks = top_blocks(inner)
         recorder = Recorder(layers, cfg, self._errors, self._publish, statistics)
         grouping = group_layers(self._layer_names, S.series_per_layer(statistics), cfg.series_budget)
@@ -280,7 +280,9 @@ class Monitor:
                                 block_names=(M.BLOCK_INPUT, *(name for name, _ in blocks), M.BLOCK_OUTPUT),
                                 spikes=SpikeTracker(S.spike_signals(statistics, self._reduced_per_layer),
                                                     cfg.spike_threshold, cfg.spike_window, cfg.spike_min_steps,
-                                                    raw_below_zero=(M.SIGNAL_LOSS,)))
+                                                    raw_below_zero=(M.SIGNAL_LOSS,)),
+                                windows={g.baseline: getattr(cfg, g.baseline)
+                                         for st in statistics for g in st.gauges if g.baseline})
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried
@@ -337,6 +339,15 @@ class Monitor:
             info={"version": _version(), "torch_version": torch.__version__,
                   "world_size": str(self.rank.world_size)},
             reduced_per_layer=self._reduced_per_layer)
+
+
+def _fp16_headroom(cfg: Config, layers: Sequence[Layer]) -> bool:
+    """Whether the fp16 families can have series, decided at attach so that the series
+    budget counts them only then: float16 parameters (a ``.half()`` model), or a
+    GradScaler (fp16 autocast: the outputs of matmuls and convolutions are float16)."""
+    if cfg.fp16_headroom is not None:
+        return cfg.fp16_headroom
+    return cfg.scaler is not None or any(p.dtype == torch.float16 for layer in layers for p in layer.params)
 
 
 def _serving_port(cfg: Config, rank: RankInfo) -> int:

@@ -14,15 +14,16 @@ import logging
 import math
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import metrics as M
 from . import statistics as S
 from .errors import ErrorLog
 from .spikes import SpikeTracker
-from .statistics import Section, Statistic
+from .statistics import LayerGauge, Section, Statistic
 
 log = logging.getLogger("gradmon")
 
@@ -169,9 +170,12 @@ class LayerSeries:
 class _Folded:
     """One statistic's cumulative state in the aggregator."""
 
-    def __init__(self, stat: Statistic, n: int) -> None:
+    def __init__(self, stat: Statistic, n: int, windows: Mapping[str, int]) -> None:
         self.stat = stat
-        self.gauges: Dict[str, List[Optional[float]]] = {g.spec.name: [None] * n for g in stat.gauges}
+        self.gauges: Dict[LayerGauge, List[Optional[float]]] = {g: [None] * n for g in stat.gauges}
+        # each baseline gauge's last values per layer, for its rolling median
+        self.history: Dict[LayerGauge, List[Deque[float]]] = {
+            g: [deque(maxlen=windows[g.baseline]) for _ in range(n)] for g in stat.gauges if g.baseline}
         self.cells: Optional[List[List[int]]] = [[0, 0] for _ in range(n)] if stat.counter is not None else None
         self.total: Optional[float] = None
         columns = stat.columns
@@ -182,6 +186,8 @@ class _Folded:
         self.peaks = [j for j, c in enumerate(columns) if c.fold == S.ABSMAX]
         self.lows = [j for j, c in enumerate(columns) if c.fold == S.MIN]
         self.highs = [j for j, c in enumerate(columns) if c.fold == S.MAX]
+        moments = [j for j, c in enumerate(columns) if c.fold == S.MOMENTS]
+        self.moments = slice(moments[0], moments[-1] + 1) if moments else None
         self.lo = stat.index("lo") if stat.forward and stat.origin else -1
         self.hi = stat.index("hi") if stat.forward and stat.origin else -1
         self.names = [c.name for c in columns]
@@ -202,6 +208,8 @@ class _Folded:
             acc[j] = S.merge_min(acc[j], row[j])
         for j in self.highs:
             acc[j] = S.merge_max(acc[j], row[j])
+        if self.moments is not None:
+            acc[self.moments] = S.merge_moments(acc[self.moments], acc[-1], row[self.moments], numel)
         acc[-1] += numel
         return acc
 
@@ -212,6 +220,15 @@ class _Folded:
         values["numel"] = acc[-1]
         return values
 
+    def value(self, gauge: LayerGauge, layer: int, columns: Mapping[str, float]) -> Optional[float]:
+        x = gauge.value(columns)
+        if not gauge.baseline:
+            return x
+        window = self.history[gauge][layer]
+        if x is not None and math.isfinite(x):
+            window.append(x)  # a NaN step must not poison the baseline for a whole window
+        return S.relative(x, window)
+
 
 class Aggregator:
     """Cumulative state of one monitor. Used only by the publisher thread."""
@@ -221,13 +238,14 @@ class Aggregator:
                  layer_group: Optional[Sequence[int]] = None, rank: int = 0,
                  on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False,
                  tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = (),
-                 spikes: Optional[SpikeTracker] = None) -> None:
+                 spikes: Optional[SpikeTracker] = None, windows: Optional[Mapping[str, int]] = None) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index; ``tied`` maps a recorder layer without parameters of
         its own to the module that owns them; ``block_names`` names the BLOCK records'
         keys (``input``, the root's children, ``output``); ``spikes`` scores the loss and
-        the statistics' totals (default: every signal, default settings)."""
+        the statistics' totals (default: every signal, default settings); ``windows`` the
+        length of each baseline gauge's window by its Config field (see ``LayerGauge.baseline``)."""
         self.layer_names = tuple(layer_names)
         self.layer_group = tuple(layer_group) if layer_group is not None else tuple(range(len(layer_names)))
         self.param_layer = tuple(self.layer_group[layer] for layer in param_layer)
@@ -252,7 +270,9 @@ class Aggregator:
         self.families = tuple(st.coverage for st in self.statistics if st.coverage)  # enabled families
         self._model = model
         n = len(self.layer_names)
-        self.folded: Dict[str, _Folded] = {st.name: _Folded(st, n) for st in self.statistics}
+        windows = {**{g.baseline: S.MIN_BASELINE for st in self.statistics for g in st.gauges if g.baseline},
+                   **(windows or {})}
+        self.folded: Dict[str, _Folded] = {st.name: _Folded(st, n, windows) for st in self.statistics}
         self.steps_total = 0
         self.global_step: Optional[int] = None
         self.last_step_time: Optional[float] = None
@@ -440,7 +460,7 @@ class Aggregator:
             for layer, a in acc.items():
                 columns = f.columns(a)
                 for gauge in stat.gauges:
-                    f.gauges[gauge.spec.name][layer] = gauge.value(columns)
+                    f.gauges[gauge][layer] = f.value(gauge, layer, columns)
         return bad
 
     def _slot(self, stat: Statistic, key: int) -> int:
@@ -529,8 +549,8 @@ class Aggregator:
         for f in self.folded.values():
             st = f.stat
             for gauge in st.gauges:
-                values = f.gauges[gauge.spec.name]
-                gauges.append(LayerSeries(gauge.spec, {}, st.reduced,
+                values = f.gauges[gauge]
+                gauges.append(LayerSeries(gauge.spec, gauge.labels, st.reduced,
                                           tuple((names[i], x) for i, x in enumerate(values) if x is not None)))
             if st.counter is not None and f.cells is not None:
                 counters.append(LayerSeries(st.counter, st.counter_labels, st.reduced, tuple(

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from statistics import median
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
 
 from . import metrics as M
 from . import stats
@@ -78,6 +81,16 @@ MIN = "min"
 """The smallest value, sign kept (a -Inf is not a +Inf); a NaN stays NaN."""
 MAX = "max"
 """The largest value, sign kept; a NaN stays NaN."""
+MOMENTS = "moments"
+"""Six consecutive columns ``mean, scale, m1, m2, m3, m4`` describing one record's
+elements x by ``m_k = sum(((x - mean) / scale) ** k)``: the record's shift and scale
+are whatever the device found cheap and safe (float32 powers of raw values overflow and
+cancel). The host re-centres each record on its exact mean and combines records by the
+parallel rule for central moments (:func:`merge_moments`), which is exact for a layer's
+several calls and for grouped layers alike; folded values hold scale 1 and m1 0, so
+``m2..m4`` are then the central sums themselves."""
+
+MOMENT_COLUMNS = ("mean", "scale", "m1", "m2", "m3", "m4")
 
 
 @dataclass(frozen=True)
@@ -89,19 +102,29 @@ class Column:
     1); gradmon divides it out on the device. Counts are unaffected (0)."""
 
 
-@dataclass(frozen=True)
+MIN_BASELINE = 8
+"""Values a gauge's own baseline needs before the gauge relative to it is exported."""
+
+
+@dataclass(frozen=True, eq=False)  # by identity: the aggregator keys its state by gauge
 class LayerGauge:
     spec: M.MetricSpec
-    value: Callable[[Mapping[str, float]], float]
+    value: Callable[[Mapping[str, float]], Optional[float]]
     """From one layer's folded columns (NORM columns already rooted) and ``numel``, the
-    elements its records covered."""
+    elements its records covered. None: no sample (e.g. a kurtosis without variance)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Constant labels of this gauge's series (several statistics may share a family)."""
+    baseline: Optional[str] = None
+    """A Config field N: export ``value`` divided by the median of the layer's last N
+    values (this one included), on the publisher thread from host values; absent until
+    :data:`MIN_BASELINE` finite values exist (see :func:`relative`)."""
 
 
 @dataclass(frozen=True)
 class Statistic:
     name: str
-    switch: Optional[str]
-    """The Config field that turns it on; None: always on."""
+    switch: Union[None, str, Tuple[str, ...]]
+    """The Config field(s) that turn it on, all of them; None: always on."""
     at: str
     """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD, BLOCK, LAYER, OPTIMIZER)."""
     parts: Tuple[Tuple[Column, ...], ...]
@@ -132,6 +155,14 @@ class Statistic:
     """Histogram observing ``total`` on every step."""
     spike: Optional[str] = None
     """``signal`` under which ``total`` is scored for spikes on every step (gradmon/spikes.py)."""
+    dtypes: Optional[Tuple[torch.dtype, ...]] = None
+    """Record only tensors of these dtypes (None: every floating dtype). A layer none of
+    whose tensors qualifies has no record, hence no series: the dtype is host metadata,
+    so the check costs no sync."""
+
+    @property
+    def switches(self) -> Tuple[str, ...]:
+        return () if self.switch is None else (self.switch,) if isinstance(self.switch, str) else self.switch
 
     @property
     def columns(self) -> Tuple[Column, ...]:
@@ -173,6 +204,26 @@ def _ratio(c: Mapping[str, float]) -> float:
     return math.inf if c["update"] else 0.0
 
 
+def _kurtosis(c: Mapping[str, float]) -> Optional[float]:
+    # Pearson's (a Gaussian is 3): n * M4 / M2^2 over the folded central sums.
+    if math.isnan(c["m2"]):
+        return math.nan
+    if c["m2"] <= 0.0:
+        return None  # a constant output has no kurtosis
+    return c["numel"] * c["m4"] / (c["m2"] * c["m2"])
+
+
+FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def _fp16_range_used(c: Mapping[str, float]) -> float:
+    return _abs_max(c) / FP16_MAX
+
+
+def _zero_fraction(c: Mapping[str, float]) -> float:
+    return (c["numel"] - c["nonzero"]) / c["numel"] if c["numel"] else 0.0
+
+
 _COUNTS = (Column("nan", SUM), Column("inf", SUM))
 _GRAD_NORM = Column("norm", NORM, scale_power=1)
 
@@ -193,13 +244,39 @@ GRAD_FLOW = Statistic(
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD_FLOW}, origin=M.TENSOR_GRAD,
     coverage=M.FAMILY_GRAD_FLOW, detail=True)
 
+_EXTREMES = (Column("lo", ABSMAX), Column("hi", ABSMAX))
+
 ACTIVATION = Statistic(
     "activation", "activations", OUTPUT,
-    ((Column("norm", NORM), Column("lo", ABSMAX), Column("hi", ABSMAX)), _COUNTS),
+    ((Column("norm", NORM),) + _EXTREMES, _COUNTS),
     lambda output: stats.activation_record(output),
-    gauges=(LayerGauge(M.ACTIVATION_RMS, _rms), LayerGauge(M.ACTIVATION_ABS_MAX, _abs_max)),
+    gauges=(LayerGauge(M.ACTIVATION_RMS, _rms), LayerGauge(M.ACTIVATION_ABS_MAX, _abs_max),
+            LayerGauge(M.ACTIVATION_ABS_MAX_RATIO, _abs_max, baseline="activation_baseline")),
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_ACTIVATION}, origin=M.TENSOR_ACTIVATION,
     coverage=M.FAMILY_ACTIVATION, detail=True)
+
+ACTIVATION_KURTOSIS = Statistic(
+    "activation_kurtosis", ("activations", "activation_kurtosis"), OUTPUT,
+    (tuple(Column(name, MOMENTS) for name in MOMENT_COLUMNS),),
+    lambda output: stats.moments_record(output),
+    gauges=(LayerGauge(M.ACTIVATION_KURTOSIS, _kurtosis),), detail=True)
+
+# fp16 only: a bf16 or fp32 tensor has no such ceiling worth watching. The gradient is
+# the one w.r.t. the layer's output, as backward carries it: fp16 under autocast too
+# (where parameter gradients are fp32), and still multiplied by the loss scale, which is
+# exactly what overflows or underflows (scale_power 0: never unscaled).
+FP16_ACTIVATION = Statistic(
+    "fp16_activation", "fp16_headroom", OUTPUT, ((_EXTREMES[0],), (_EXTREMES[1],)),
+    lambda output: stats.extremes(output),
+    gauges=(LayerGauge(M.FP16_RANGE_USED, _fp16_range_used, labels={"tensor": M.TENSOR_ACTIVATION}),),
+    detail=True, dtypes=(torch.float16,))
+
+FP16_GRAD = Statistic(
+    "fp16_grad", "fp16_headroom", OUTPUT_GRAD, (_EXTREMES, (Column("nonzero", SUM),)),
+    lambda grad: stats.extremes_and_nonzero(grad),
+    gauges=(LayerGauge(M.FP16_RANGE_USED, _fp16_range_used, labels={"tensor": M.TENSOR_GRAD}),
+            LayerGauge(M.GRAD_FP16_UNDERFLOW_FRACTION, _zero_fraction)),
+    detail=True, dtypes=(torch.float16,))
 
 LOCAL = Statistic(
     "local", "local_view", LOCAL_GRAD, ((_GRAD_NORM,), _COUNTS),
@@ -237,14 +314,16 @@ ADAM_RMS = Statistic(
 
 #: Every statistic, in packet order.
 STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL, BLOCK_FINITE, LAYER_FINITE,
-                                     UPDATE_RATIO, ADAM_RMS)
+                                     UPDATE_RATIO, ADAM_RMS, ACTIVATION_KURTOSIS, FP16_ACTIVATION, FP16_GRAD)
 
 
 def enabled(cfg: Any, **resolved: object) -> Tuple[Statistic, ...]:
     """The statistics ``cfg`` turns on; ``resolved`` overrides switches decided at attach
-    (``local_view=None`` means "when the model is wrapped in DDP")."""
-    return tuple(s for s in STATISTICS
-                 if s.switch is None or (resolved[s.switch] if s.switch in resolved else getattr(cfg, s.switch)))
+    (``local_view=None`` means "when the model is wrapped in DDP", ``fp16_headroom=None``
+    "when the model can hold float16 tensors"); an unresolved None is off."""
+    def on(switch: str) -> bool:
+        return bool(resolved[switch] if switch in resolved else getattr(cfg, switch))
+    return tuple(s for s in STATISTICS if all(on(switch) for switch in s.switches))
 
 
 def series_per_layer(statistics: Sequence[Statistic]) -> int:
@@ -271,6 +350,12 @@ def _check(table: Sequence[Statistic]) -> None:
             assert s.total is not None and any(c.fold == NORM for c in s.columns), s.name
         if s.origin is not None and s.forward:
             s.index("lo"), s.index("hi")
+        moments = [c.name for c in s.columns if c.fold == MOMENTS]
+        if moments:
+            # folded on the host only: the FSDP collective knows no parallel rule
+            assert not s.by_parameter and tuple(moments) == MOMENT_COLUMNS, s.name
+            start = s.index("mean")
+            assert [c.name for c in s.columns[start:start + len(MOMENT_COLUMNS)]] == list(MOMENT_COLUMNS), s.name
 
 
 _check(STATISTICS)
@@ -345,6 +430,46 @@ def merge_max(a: float, b: float) -> float:
 
 def merge_min(a: float, b: float) -> float:
     return -merge_max(-a, -b)
+
+
+def _recentred(row: Sequence[float], n: float) -> Tuple[float, float, float, float]:
+    """A record's (mean, M2, M3, M4), central sums about its exact mean: the device's
+    shift is off by rounding (a float32 mean of values near 1e4), so its first moment
+    m1 is small but not zero; correcting by it involves no cancellation."""
+    mean, scale, m1, m2, m3, m4 = row
+    a = m1 / n
+    return (mean + scale * a,
+            scale ** 2 * (m2 - a * m1),
+            scale ** 3 * (m3 - 3 * a * m2 + 2 * a * a * m1),
+            scale ** 4 * (m4 - 4 * a * m3 + 6 * a * a * m2 - 3 * a ** 3 * m1))
+
+
+def merge_moments(acc: Sequence[float], n_acc: float, row: Sequence[float], n_row: float) -> List[float]:
+    """Fold one record's MOMENTS columns into an accumulator of ``n_acc`` elements (all
+    zeros when empty) by the pairwise rule for central moments (Chan et al. 1979, Pébay
+    2008): exact in any order, so a layer's several calls and grouped layers give the
+    moments of all their elements together."""
+    mean_a, _, _, m2a, m3a, m4a = acc
+    mean_b, m2b, m3b, m4b = _recentred(row, n_row)
+    n = n_acc + n_row
+    d = mean_b - mean_a
+    na, nb = n_acc, n_row
+    m2 = m2a + m2b + d * d * na * nb / n
+    m3 = m3a + m3b + d ** 3 * na * nb * (na - nb) / n ** 2 + 3 * d * (na * m2b - nb * m2a) / n
+    m4 = (m4a + m4b + d ** 4 * na * nb * (na * na - na * nb + nb * nb) / n ** 3
+          + 6 * d * d * (na * na * m2b + nb * nb * m2a) / n ** 2 + 4 * d * (na * m3b - nb * m3a) / n)
+    return [mean_a + d * nb / n, 1.0, 0.0, m2, m3, m4]
+
+
+def relative(value: Optional[float], baseline: Sequence[float]) -> Optional[float]:
+    """``value`` over the median of ``baseline`` (None until MIN_BASELINE values). An
+    all-zero baseline makes 0 relative 1 (unchanged) and anything larger +Inf."""
+    if value is None or len(baseline) < MIN_BASELINE:
+        return None
+    base = median(baseline)
+    if base == 0.0:
+        return 1.0 if value == 0.0 else math.nan if math.isnan(value) else math.inf
+    return value / base
 
 
 NAN_FLAG, POS_INF_FLAG, NEG_INF_FLAG = 1, 2, 4

@@ -78,6 +78,38 @@ def extremes(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.aminmax(x.detach())
 
 
+def extremes_and_nonzero(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """((min, max), [non-zero elements]) of an fp16 gradient: two reductions and no
+    full-size temporary (``count_nonzero`` reduces in place, where ``g == 0`` would
+    allocate a bool copy); the zeros are the rest of ``numel``, counted on the host."""
+    g = _dense(g.detach())
+    return torch.stack(torch.aminmax(g)), torch.count_nonzero(g).reshape(1)
+
+
+def moments_record(x: torch.Tensor) -> Tuple[torch.Tensor]:
+    """One record of the MOMENTS columns: [mean, scale, m1, m2, m3, m4] with
+    m_k = sum(z**k), z = (x - mean) / scale, in float32 (float64 for float64 inputs).
+
+    Centred, because raw power sums cancel catastrophically (activations near 1e4 with a
+    spread of 0.1 lose every digit even in float64), and float64 is slow on consumer
+    GPUs and absent on MPS; scaled to unit RMS, because the fourth power of a blown-up
+    activation overflows float32 long before the activation itself does. The float32
+    mean's rounding is left in m1 for the host to correct. One full-size temporary for
+    the centred values, one for their squares; the rest are reductions. Seven passes over
+    the output where activation_record makes two (about 3x its time on CPU): the reason
+    it has a switch of its own and runs on detail steps only."""
+    flat = x.detach().reshape(-1)
+    mean = flat.mean(0, keepdim=True, dtype=_norm_dtype(flat) or flat.dtype)
+    z = flat - mean  # shape (1,) takes part in type promotion: fp16/bf16 become float32
+    norm = torch.linalg.vector_norm(z, keepdim=True)
+    scale = norm.mul(1.0 / math.sqrt(z.numel())).clamp_min_(torch.finfo(z.dtype).tiny)
+    z.div_(scale)
+    z2 = z * z
+    m2 = norm.div(scale).square_()  # sum(z**2) without another pass over z2
+    return torch.cat((mean, scale, z.sum(0, keepdim=True), m2,
+                      torch.dot(z2, z).reshape(1), torch.dot(z2, z2).reshape(1))),
+
+
 def gradient_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(float32 [L2 norm], int64 [nan, inf]) of one gradient: w.r.t. a layer's output
     (gradient flow), or one parameter's own gradient before DDP's all-reduce."""

@@ -10,6 +10,8 @@ from torch import nn
 
 import gradmon
 from conftest import scrape, value
+from gradmon import statistics as S
+from gradmon.config import Config
 from gradmon.grouping import group_layers
 
 
@@ -76,7 +78,8 @@ def test_grouped_series_combine_norms_maxima_and_counts_correctly(attach):
     torch.manual_seed(1)
     model = deep_model(6)  # 12 layers "i.0", "i.2"
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    mon = attach(model, detail_every=1, series_budget=6 * 13)  # room for 6 groups, not 12 layers
+    per_layer = S.series_per_layer(S.enabled(Config(), local_view=False, fp16_headroom=False))
+    mon = attach(model, detail_every=1, series_budget=6 * per_layer)  # room for 6 groups, not 12 layers
 
     def plant(grad):
         grad = grad.clone()

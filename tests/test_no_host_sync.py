@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 
@@ -109,6 +110,45 @@ def test_hooked_forward_backward_and_step_never_sync_on_cpu(options, make, monke
     assert snap.learning_rates == (pytest.approx(0.01),)
 
 
+@contextlib.contextmanager
+def cuda_sync_is_an_error():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def train_half_model(device: str, guard=contextlib.nullcontext) -> None:
+    """A float16 model under RaiseOnSync (and ``guard``): kurtosis, abs-max ratio and the
+    fp16 families."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)).half().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train(steps):
+        for _ in range(steps):
+            model(torch.randn(4, 6, device=device).half()).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    train(1)
+    with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1) as mon:
+        with guard(), RaiseOnSync():
+            train(3)
+        assert mon.flush()
+        snap = mon.snapshot()
+        errors = mon._errors.counts()
+    assert snap.steps_total == 3 and sum(errors.values()) == 0, errors
+    exported = {(s.spec.name, tuple(sorted(s.labels.items()))) for s in snap.layer_gauges if s.values}
+    assert {("gradmon_fp16_range_used", (("tensor", "activation"),)), ("gradmon_fp16_range_used", (("tensor", "grad"),)),
+            ("gradmon_grad_fp16_underflow_fraction", ()), ("gradmon_activation_kurtosis", ())} <= exported
+
+
+def test_fp16_headroom_and_kurtosis_of_a_float16_model_never_sync_on_cpu():
+    train_half_model("cpu")
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device: checks real device-to-host syncs "
                                        "with torch.cuda.set_sync_debug_mode('error')")
@@ -138,3 +178,9 @@ def test_no_host_sync_on_cuda_under_sync_debug_mode_error(make):
         assert mon.flush()
         assert mon.snapshot().steps_total == 3 and mon.snapshot().loss is not None
         assert sum(mon._errors.counts().values()) == 0
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_fp16_headroom_of_a_float16_model_never_syncs_on_cuda_under_sync_debug_mode_error():
+    train_half_model("cuda", cuda_sync_is_an_error)
