@@ -266,15 +266,17 @@ class Endpoint:
         """Let every periodic scraper render the run state just set once before the endpoint goes.
 
         Waited for: each address that scraped twice or more and, at its own interval, is
-        due again (it scraped within its last two intervals); HA Prometheus pairs scrape
-        at interleaved times, so one scrape is not enough. A single curl is nobody to wait
-        for. Returns as soon as each has answered a scrape that started after the change,
-        or after ``timeout``; False then. A KeyboardInterrupt ends the wait at once."""
+        due again (it scraped within its last two intervals, and a second more: a loaded
+        machine delays the scrapes it serves); HA Prometheus pairs scrape at interleaved
+        times, so one scrape is not enough. A single curl is nobody to wait for. Returns
+        as soon as each has been answered, within its scrape timeout, a scrape that started
+        after the change, or after ``timeout``; False then. A KeyboardInterrupt ends the
+        wait at once."""
         with self.scraped:
             changed_at = self.scrapes_started  # a scrape started later renders the new state
             now = time.monotonic()
             due = {peer: s for peer, s in self.scrapers.items()
-                   if s.interval > 0 and now - s.last_start <= 2 * s.interval}
+                   if s.interval > 0 and now - s.last_start <= 2 * s.interval + 1.0}
         if not due or timeout <= 0:
             return True
         expected = min(timeout, max(s.interval for s in due.values()))

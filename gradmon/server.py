@@ -402,6 +402,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _metrics(self) -> None:
         site = self.server.site
         scrape = self.command == "GET"  # a HEAD (a probe, a curl -I) is not a scrape
+        gives_up = _scraper_gives_up(self.headers.get("X-Prometheus-Scrape-Timeout-Seconds"))
         token = None
         if scrape:
             # before rendering: a scrape that starts later renders newer state. The peer's
@@ -413,8 +414,21 @@ class _Handler(BaseHTTPRequestHandler):
             body = gzip.compress(body, compresslevel=1)
             headers.append(("Content-Encoding", "gzip"))
         self._send(200, body, CONTENT_TYPE_LATEST, tuple(headers))
-        if scrape:
-            site.on_scrape(token)  # after the last byte: the scraper has it
+        # after the last byte: the scraper has it, unless it gave up before (under load, a
+        # Prometheus whose scrape_timeout passed drops what it gets and never sees the state)
+        if scrape and time.monotonic() < gives_up:
+            site.on_scrape(token)
+
+
+def _scraper_gives_up(timeout_header: Optional[str]) -> float:
+    """When the scraper stops waiting for this response (monotonic): Prometheus sends its
+    scrape_timeout with every scrape. Nine tenths of it, for the time the request took
+    to arrive; no header: never."""
+    try:
+        seconds = float(timeout_header) if timeout_header else float("inf")
+    except ValueError:
+        seconds = float("inf")
+    return time.monotonic() + 0.9 * seconds if seconds > 0 else float("inf")
 
 
 class MetricsServer:

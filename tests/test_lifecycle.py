@@ -11,6 +11,8 @@ import urllib.error
 import urllib.request
 import weakref
 
+from typing import Optional
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
@@ -281,14 +283,16 @@ def test_process_metrics_do_not_collide_with_prometheus_client_process_collector
     assert "\nprocess_resident_memory_bytes" in body
 
 
-def scrape_from(url: str, source: str = "127.0.0.1"):
-    """One GET of ``url`` from the loopback address ``source`` (a second Prometheus of an HA pair)."""
+def scrape_from(url: str, source: str = "127.0.0.1", scrape_timeout: Optional[float] = None):
+    """One GET of ``url`` from the loopback address ``source`` (a second Prometheus of an HA
+    pair), telling the scrape timeout as Prometheus does when ``scrape_timeout`` is given."""
     import http.client
     from urllib.parse import urlsplit
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=5, source_address=(source, 0))
+    headers = {"X-Prometheus-Scrape-Timeout-Seconds": str(scrape_timeout)} if scrape_timeout is not None else {}
     try:
-        conn.request("GET", u.path)
+        conn.request("GET", u.path, headers=headers)
         return parse(conn.getresponse().read().decode())
     finally:
         conn.close()
@@ -346,6 +350,22 @@ def test_final_scrape_waits_for_each_scraper_of_an_ha_pair():
     assert value(scrape_from(url, "127.0.0.1"), "gradmon_run_state", state="finished") == 1
     assert not done.wait(0.5)  # the other Prometheus has not seen it yet
     scrape_from(url, "127.0.0.2")
+    assert done.wait(5)
+
+
+def test_a_scrape_answered_after_the_scrapers_timeout_does_not_end_the_wait():
+    """Under load a Prometheus whose scrape_timeout passed drops the answer: it has not
+    seen the final state, so the wait goes on for its next scrape."""
+    mon = gradmon.attach(mlp(), port=0, addr="127.0.0.1", final_scrape_timeout=20)
+    url = mon.url
+    for _ in range(2):
+        scrape_from(url, scrape_timeout=10)
+        time.sleep(0.3)
+    done = detach_in_background(mon)
+    time.sleep(0.1)
+    scrape_from(url, scrape_timeout=1e-9)  # answered, but after the scraper gave up
+    assert not done.wait(0.5)
+    assert value(scrape_from(url, scrape_timeout=10), "gradmon_run_state", state="finished") == 1
     assert done.wait(5)
 
 
