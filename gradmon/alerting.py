@@ -53,6 +53,31 @@ class Thresholds:
     fraction of steps means the scale is collapsing and the run is not learning."""
     amp_min_loss_scale: float = 1.0
     """A loss scale below this has given up on fp16's range."""
+    spike_repeats: int = 3
+    """Spike steps of one signal within ``Timing.spike_repeat_window`` that make spikes
+    critical (one is a warning). A step is what the counter counts: a spike lasting
+    several steps counts each of them, and a loss 3 steps above twice its median is
+    more than a blip."""
+    loss_divergence: float = 2.0
+    """A spike while the loss is above this many times its running minimum is critical:
+    the run has lost what it learned, not just hit an odd batch."""
+    norm_baseline_ratio: float = 3.0
+    """A layer's gradient norm this many times the median of its own last norm_baseline
+    sampled steps, sustained, is the warning tier: in the runs behind issue 10 the
+    embeddings' and first block's norms were 3x their own median 34-90 steps before a
+    loss spike (10x 1-8 steps before), while healthy runs stayed below."""
+    update_baseline_ratio: float = 10.0
+    """A layer's update-to-weight ratio this many times its own baseline (its median of
+    the last update_baseline readings): the layer moves an order of magnitude faster
+    than it did at the same learning rate."""
+    adam_rms_spike: float = 3.0
+    """Adam's RMS_t of g/sqrt(v̂) is about 1 for a gradient as large as its history; this
+    many times that means a gradient spike the second moment has not caught up with (the
+    instability StableAdamW clips; the bound is (1-β2)^(-1/2), 31.6 at β2=0.999, 4.5 at 0.95)."""
+    fp16_min_headroom: float = 2.0
+    """A float16 tensor whose max |x| is within this factor of 65504 is one doubling from
+    overflow. The gradient's headroom is the GradScaler's job where one is given (it
+    raises the scale until overflow on purpose): only a scaler-less gradient pages."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,16 @@ class Timing:
     divergence_for: float = 300
     amp_window: float = 600
     amp_for: float = 600
+    spike_window: float = 900
+    """How long one spike keeps its warning firing (``increase()`` of the spike counter)."""
+    spike_repeat_window: float = 3600
+    """The window in which ``Thresholds.spike_repeats`` spike steps are critical."""
+    norm_ratio_for: float = 60
+    update_ratio_for: float = 60
+    adam_window: float = 300
+    """max_over_time of Adam's RMS: a reading every optimizer_every steps is caught by any scrape."""
+    fp16_for: float = 120
+    lr_zero_for: float = 600
 
     def scaled(self, factor: float) -> "Timing":
         return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self)})
@@ -230,13 +265,101 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"   and on(job, model) ({REC_LOCAL_RANKS} == 2))\n"
               f")",
               t.divergence_for),
+        *_signal_alerts(th, t),
+    ]
+
+
+def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequence[str]) -> List[Alert]:
+    """A warning for any spike step of ``signals`` (one per step, counted in the process:
+    ``increase()`` sees a spike that no scrape did) and a critical alert for repeated ones,
+    or for one while the loss is above ``loss_divergence`` times its running minimum."""
+    where = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"
+    # The counter only where the run is past warm-up, as a subquery at the rule's own
+    # evaluation interval: a window reaching back into the warm-up does not count the
+    # warm-up's spikes, and no recording rule is needed (Grafana inlines those).
+    counted = (f"{_s(M.SPIKE_STEPS)}{{signal=~\"{'|'.join(signals)}\"}} "
+               f"and on({TARGET}) ({_s(M.STEPS)} > {th.warmup_steps})")
+
+    def spikes(window: float) -> str:
+        return f"sum by ({TARGET}, signal) (increase(({counted})[{dur(window)}:]))"
+
+    loss_high = (f"on({TARGET}) ({M.LOSS.name} > {th.loss_divergence:g} * {M.LOSS_RUNNING_MIN.name} "
+                 f"and {M.LOSS_RUNNING_MIN.name} > 0)")
+    return [
+        Alert(f"Gradmon{name}", "warning", f"{what} spike",
+              f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}) in the last "
+              f"{dur(t.spike_window)}: a value above twice its window's median and far outside its noise.",
+              f"{spikes(t.spike_window)} > 0", 0),
+        Alert(f"Gradmon{name}Severe", "critical", f"Repeated {what.lower()} spikes or a spike with the loss diverging",
+              f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}): at least {th.spike_repeats} in "
+              f"{dur(t.spike_repeat_window)}, or a spike in {dur(t.spike_window)} while the loss is above "
+              f"{th.loss_divergence:g}x its running minimum.",
+              f"(\n  {spikes(t.spike_repeat_window)} >= {th.spike_repeats}\n  or\n"
+              f"  ({spikes(t.spike_window)} > 0 and {loss_high})\n)", 0),
+    ]
+
+
+def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
+    """What moves before a loss diverges: spikes, per-layer norms and updates far above
+    their own baselines (counted in steps, in the process), Adam's RMS, fp16 headroom and
+    the learning rate."""
+    where = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"
+    post = f"on({TARGET}) ({_s(M.STEPS)} > {th.warmup_steps})"
+    lr = M.LEARNING_RATE.name
+    return [
+        *_spike_alerts(th, t, "LossSpike", "Loss", (M.SIGNAL_LOSS,)),
+        *_spike_alerts(th, t, "GradNormSpike", "Gradient norm", (M.SIGNAL_GRAD_NORM, M.SIGNAL_LOCAL_GRAD_NORM)),
+        Alert("GradmonGradNormAboveBaseline", "warning", "A layer's gradient norm far above its own baseline",
+              f"Gradient norm of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of its own "
+              f"recent sampled steps ({where}), above {th.norm_baseline_ratio:g}x for {dur(t.norm_ratio_for)}: "
+              "in unstable runs the embeddings and first blocks move first, steps before the loss spikes.",
+              f"max by ({TARGET}, layer) ({M.GRAD_NORM_BASELINE_RATIO.name}) > {th.norm_baseline_ratio:g}\nand {post}",
+              t.norm_ratio_for),
+        Alert("GradmonUpdateRatioAboveBaseline", "warning", "A layer's updates far above their own baseline",
+              f"Update-to-weight ratio of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of "
+              f"its own recent readings ({where}), above {th.update_baseline_ratio:g}x for {dur(t.update_ratio_for)}.",
+              f"max by ({TARGET}, layer) ({M.UPDATE_RATIO_BASELINE_RATIO.name}) > {th.update_baseline_ratio:g}\n"
+              f"and {post}",
+              t.update_ratio_for),
+        Alert("GradmonAdamRmsSpike", "warning", "Adam's second moment lags a gradient spike",
+              f"Adam's RMS(g/sqrt(v)) of layer {{{{ $labels.layer }}}} reached {{{{ $value | humanize }}}} in the last "
+              f"{dur(t.adam_window)} ({where}), above {th.adam_rms_spike:g} (about 1 when healthy).",
+              f"max by ({TARGET}, layer) (max_over_time({M.ADAM_RMS.name}[{dur(t.adam_window)}])) > {th.adam_rms_spike:g}\n"
+              f"and {post}",
+              0),
+        Alert("GradmonFp16HeadroomLow", "warning", "A float16 tensor is near overflow",
+              f"max |x| of the float16 {{{{ $labels.tensor }}}} of layer {{{{ $labels.layer }}}} is "
+              f"{{{{ $value | humanizePercentage }}}} of 65504 ({where}): less than {th.fp16_min_headroom:g}x headroom.",
+              f"max by ({TARGET}, layer, tensor) ({M.FP16_RANGE_USED.name}{{tensor=\"{M.TENSOR_ACTIVATION}\"}}) "
+              f"> {1 / th.fp16_min_headroom:g}\n"
+              f"or\n"
+              f"(\n  max by ({TARGET}, layer, tensor) ({M.FP16_RANGE_USED.name}{{tensor=\"{M.TENSOR_GRAD}\"}}) "
+              f"> {1 / th.fp16_min_headroom:g}\n"
+              f"  unless on({TARGET}) {M.AMP_LOSS_SCALE.name}\n)",
+              t.fp16_for),
+        Alert("GradmonLearningRateNonFinite", "critical", "Learning rate is NaN or infinite",
+              f"Learning rate of parameter group {{{{ $labels.group }}}} is {{{{ $value }}}} ({where}): "
+              "every update from now on poisons the weights.",
+              f"max by ({TARGET}, group) ({lr} != {lr} or abs({lr}) == Inf)", 0),
+        Alert("GradmonLearningRateZero", "warning", "Learning rate stuck at 0",
+              f"Learning rate of parameter group {{{{ $labels.group }}}} is 0 ({where}) for {dur(t.lr_zero_for)} "
+              f"after having been above 0 in the last {dur(t.history_window)}: the run is not learning. "
+              "Value: {{ $value }}.",
+              f"max by ({TARGET}, group) ({lr}) == 0\n"
+              f"and on({TARGET}, group) max by ({TARGET}, group) (max_over_time({lr}[{dur(t.history_window)}])) > 0",
+              t.lr_zero_for),
     ]
 
 
 INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     # one fault, one page: a NaN explains the explosion, vanishing and divergence that follow it
     ("GradmonNonFiniteGradients", ("GradmonGradientExplosion", "GradmonVanishingGradients",
-                                   "GradmonRankDivergence", "GradmonActivationBlowup")),
+                                   "GradmonRankDivergence", "GradmonActivationBlowup",
+                                   "GradmonGradNormSpike", "GradmonGradNormAboveBaseline",
+                                   "GradmonUpdateRatioAboveBaseline", "GradmonAdamRmsSpike")),
+    # the critical tier of a spike says everything its warning does
+    ("GradmonLossSpikeSevere", ("GradmonLossSpike",)),
+    ("GradmonGradNormSpikeSevere", ("GradmonGradNormSpike",)),
     # a dead exporter explains why no step is seen
     ("GradmonExporterDown", ("GradmonTrainingStalled",)),
     # a failed rank explains the others that torchrun then kills, or that hang in a collective
