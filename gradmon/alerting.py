@@ -475,6 +475,12 @@ def _panel(pid: int, title: str, kind: str, grid: Tuple[int, int, int, int], tar
     }
 
 
+def _row(pid: int, title: str, y: int) -> Dict[str, Any]:
+    """A row header; ``targets`` empty so that whatever walks every panel's queries walks it too."""
+    return {"id": pid, "type": "row", "title": title, "collapsed": False,
+            "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}, "panels": [], "targets": []}
+
+
 def _var(name: str, query: str, label: str, multi: bool = True) -> Dict[str, Any]:
     return {"name": name, "label": label, "type": "query",
             "datasource": {"type": "prometheus", "uid": "${datasource}"},
@@ -530,6 +536,28 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
         _panel(7, "Global norm distribution (every step)", "heatmap", (0, 22, 24, 8),
                [(f"sum by (le) (increase({M.GRAD_GLOBAL_NORM_DISTRIBUTION.name}_bucket{{{SEL}}}[$__rate_interval]))", "{{le}}")],
                fmt="heatmap", description="From the cumulative histogram: catches a one-step spike between scrapes."),
+        _row(8, "Stability", 30),
+        _panel(9, "Loss and its running minimum", "timeseries", (0, 31, 12, 8),
+               [(f"{M.LOSS.name}{{{SEL}}}", "loss {{job}} rank {{rank}}"),
+                (f"{M.LOSS_RUNNING_MIN.name}{{{SEL}}}", "running min {{job}} rank {{rank}}"),
+                (f"{th.loss_divergence:g} * {M.LOSS_RUNNING_MIN.name}{{{SEL}}}",
+                 f"{th.loss_divergence:g}x running min {{{{job}}}} rank {{{{rank}}}}")], log=True,
+               description="A spike while the loss is above the dashed multiple of its running minimum is critical "
+                           "(GradmonLossSpikeSevere, GradmonGradNormSpikeSevere)."),
+        _panel(10, "Spike scores", "timeseries", (12, 31, 12, 8),
+               [(f"{M.SPIKE_SCORE.name}{{{SEL}}}", "{{signal}} {{job}} rank {{rank}}")],
+               description="Robust score of the last scored step, in robust standard deviations above the window's "
+                           "trend; a spike also needs the value above twice the window's median."),
+        _panel(11, "Spike steps", "timeseries", (0, 39, 8, 8),
+               [(f"sum by (job, rank, signal) (increase({_s(M.SPIKE_STEPS)}{{{SEL}}}[$__rate_interval]))",
+                 "{{signal}} {{job}} rank {{rank}}")],
+               thresholds=[("green", None), (orange, 1), (red, th.spike_repeats)],
+               description="Counted in the process: a one-step spike between two scrapes is here."),
+        _panel(12, "Learning rate", "timeseries", (8, 39, 8, 8),
+               [(f"{M.LEARNING_RATE.name}{{{SEL}}}", "group {{group}} {{job}} rank {{rank}}")], log=True),
+        _panel(13, "Update-to-weight ratio (largest layer)", "timeseries", (16, 39, 8, 8),
+               [(f"max by (job, rank) ({M.UPDATE_TO_WEIGHT_RATIO.name}{{{SEL}}})", "{{job}} rank {{rank}}")], log=True,
+               description="Around 1e-3 per step is usual for Adam; per layer on the Layers dashboard."),
     ], with_layer=False)
     layers = _dashboard("gradmon-layers", "gradmon / Layers", [
         _panel(1, "Gradient norm by layer", "timeseries", (0, 0, 24, 9),
@@ -552,6 +580,32 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
         _panel(8, "Non-finite elements by layer (1h)", "table", (0, 35, 24, 8),
                [(f"sum by (layer, tensor, kind) (increase({_s(M.NONFINITE)}{{{LSEL}}}[1h]))", "{{layer}}")],
                instant=True, fmt="table"),
+        _panel(9, "Gradient norm over its own baseline", "timeseries", (0, 43, 12, 8),
+               [(f"{M.GRAD_NORM_BASELINE_RATIO.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
+               thresholds=[("green", None), (orange, th.norm_baseline_ratio)],
+               description="Each layer's norm over the median of its own last norm_baseline sampled steps; "
+                           "GradmonGradNormAboveBaseline warns above the line. The first layers move first."),
+        _panel(10, "Update-to-weight ratio by layer", "timeseries", (12, 43, 12, 8),
+               [(f"{M.UPDATE_TO_WEIGHT_RATIO.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True),
+        _panel(11, "Update ratio over its own baseline", "timeseries", (0, 51, 12, 8),
+               [(f"{M.UPDATE_RATIO_BASELINE_RATIO.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
+               thresholds=[("green", None), (orange, th.update_baseline_ratio)]),
+        _panel(12, "Adam RMS(g / sqrt(v)) by layer", "timeseries", (12, 51, 12, 8),
+               [(f"{M.ADAM_RMS.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")],
+               thresholds=[("green", None), (orange, th.adam_rms_spike)],
+               description="About 1 when healthy; far above, the second moment lags a gradient spike."),
+        _panel(13, "Activation max |x| over its own baseline", "timeseries", (0, 59, 12, 8),
+               [(f"{M.ACTIVATION_ABS_MAX_RATIO.name}{{{LSEL}}}", "{{layer}}")], log=True),
+        _panel(14, "Activation kurtosis by layer", "timeseries", (12, 59, 12, 8),
+               [(f"{M.ACTIVATION_KURTOSIS.name}{{{LSEL}}}", "{{layer}}")], log=True,
+               description="A Gaussian is 3; outlier features push it far up long before max |x| overflows."),
+        _panel(15, "fp16 range used", "timeseries", (0, 67, 12, 8),
+               [(f"{M.FP16_RANGE_USED.name}{{{LSEL}}}", "{{layer}} {{tensor}}")], unit="percentunit",
+               thresholds=[("green", None), (red, 1 / th.fp16_min_headroom)],
+               description="max |x| / 65504 of float16 outputs and their gradients (float16 layers only)."),
+        _panel(16, "fp16 gradient underflow fraction", "timeseries", (12, 67, 12, 8),
+               [(f"{M.GRAD_FP16_UNDERFLOW_FRACTION.name}{{{LSEL}}}", "{{layer}}")], unit="percentunit",
+               description="Exact zeros, true zeros included: watch its rise, not its level."),
     ], with_layer=True)
     ranks = _dashboard("gradmon-ranks", "gradmon / Ranks", [
         _panel(1, "Global gradient norm by rank", "timeseries", (0, 0, 12, 8),
