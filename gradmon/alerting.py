@@ -101,6 +101,10 @@ class Timing:
     """How long one spike keeps its warning firing (``increase()`` of the spike counter)."""
     spike_repeat_window: float = 3600
     """The window in which ``Thresholds.spike_repeats`` spike steps are critical."""
+    loss_window: float = 120
+    """The loss must have stayed above ``Thresholds.loss_divergence`` times its running
+    minimum over this window (every scrape in it) for a spike to be critical: one small
+    batch's loss is often above twice the lowest batch loss seen."""
     norm_ratio_for: float = 60
     update_ratio_for: float = 60
     adam_window: float = 300
@@ -283,7 +287,8 @@ def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequ
     def spikes(window: float) -> str:
         return f"sum by ({TARGET}, signal) (increase(({counted})[{dur(window)}:]))"
 
-    loss_high = (f"on({TARGET}) ({M.LOSS.name} > {th.loss_divergence:g} * {M.LOSS_RUNNING_MIN.name} "
+    loss_high = (f"on({TARGET}) (min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) "
+                 f"> {th.loss_divergence:g} * {M.LOSS_RUNNING_MIN.name} "
                  f"and {M.LOSS_RUNNING_MIN.name} > 0)")
     return [
         Alert(f"Gradmon{name}", "warning", f"{what} spike",
@@ -292,8 +297,8 @@ def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequ
               f"{spikes(t.spike_window)} > 0", 0),
         Alert(f"Gradmon{name}Severe", "critical", f"Repeated {what.lower()} spikes or a spike with the loss diverging",
               f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}): at least {th.spike_repeats} in "
-              f"{dur(t.spike_repeat_window)}, or a spike in {dur(t.spike_window)} while the loss is above "
-              f"{th.loss_divergence:g}x its running minimum.",
+              f"{dur(t.spike_repeat_window)}, or a spike in {dur(t.spike_window)} while the loss stayed above "
+              f"{th.loss_divergence:g}x its running minimum for {dur(t.loss_window)}.",
               f"(\n  {spikes(t.spike_repeat_window)} >= {th.spike_repeats}\n  or\n"
               f"  ({spikes(t.spike_window)} > 0 and {loss_high})\n)", 0),
     ]
