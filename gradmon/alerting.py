@@ -145,8 +145,16 @@ REC_STEPS_RATE = f"model_rank:{M.STEPS.name}:rate1m"
 LOCAL_GLOBAL_NORM = M.LOCAL_GRAD_GLOBAL_NORM.name  # issue 4's pre-all-reduce view
 
 
+WHERE = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"  # in every description
+
+
+def _past_warmup(th: Thresholds) -> str:
+    """True for a target past the warm-up steps after attach (labels: TARGET)."""
+    return f"({_s(M.STEPS)} > {th.warmup_steps})"
+
+
 def recording_rules(th: Thresholds, t: Timing) -> List[Dict[str, str]]:
-    post = f"({_s(M.STEPS)} > {th.warmup_steps})"
+    post = _past_warmup(th)
     return [
         {"record": REC_GLOBAL_POST_WARMUP, "expr": f"{M.GRAD_GLOBAL_NORM.name} and {post}"},
         {"record": REC_GLOBAL_BASELINE,
@@ -189,7 +197,7 @@ def _last_state(states: Sequence[str], by: str, t: Timing) -> str:
 
 def alerts(th: Thresholds, t: Timing) -> List[Alert]:
     ended = _last_state(M.END_STATES, TARGET, t)  # a target gone after any end is not "down"
-    where = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"
+    where = WHERE
     return [
         Alert("GradmonNonFiniteGradients", "critical", "NaN/Inf gradients",
               "{{ $value | humanize }} NaN/Inf elements in the {{ $labels.tensor }} of layer {{ $labels.layer }} "
@@ -277,12 +285,11 @@ def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequ
     """A warning for any spike step of ``signals`` (one per step, counted in the process:
     ``increase()`` sees a spike that no scrape did) and a critical alert for repeated ones,
     or for one while the loss is above ``loss_divergence`` times its running minimum."""
-    where = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"
+    where = WHERE
     # The counter only where the run is past warm-up, as a subquery at the rule's own
     # evaluation interval: a window reaching back into the warm-up does not count the
     # warm-up's spikes, and no recording rule is needed (Grafana inlines those).
-    counted = (f"{_s(M.SPIKE_STEPS)}{{signal=~\"{'|'.join(signals)}\"}} "
-               f"and on({TARGET}) ({_s(M.STEPS)} > {th.warmup_steps})")
+    counted = f"{_s(M.SPIKE_STEPS)}{{signal=~\"{'|'.join(signals)}\"}} and on({TARGET}) {_past_warmup(th)}"
 
     def spikes(window: float) -> str:
         return f"sum by ({TARGET}, signal) (increase(({counted})[{dur(window)}:]))"
@@ -308,8 +315,8 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
     """What moves before a loss diverges: spikes, per-layer norms and updates far above
     their own baselines (counted in steps, in the process), Adam's RMS, fp16 headroom and
     the learning rate."""
-    where = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"
-    post = f"on({TARGET}) ({_s(M.STEPS)} > {th.warmup_steps})"
+    where = WHERE
+    post = f"on({TARGET}) {_past_warmup(th)}"
     lr = M.LEARNING_RATE.name
     return [
         *_spike_alerts(th, t, "LossSpike", "Loss", (M.SIGNAL_LOSS,)),

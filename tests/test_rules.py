@@ -363,6 +363,10 @@ def test_alertmanager_config_is_valid_and_inhibits_the_consequences_of_one_fault
     inhibit = {r["source_matchers"][0]: r["target_matchers"][0] for r in cfg["inhibit_rules"]}
     assert "GradmonGradientExplosion" in inhibit["alertname = GradmonNonFiniteGradients"]
     assert "GradmonTrainingStalled" in inhibit["alertname = GradmonExporterDown"]
+    # a spike's critical tier silences its warning, and a NaN the norm warnings it causes
+    assert inhibit["alertname = GradmonLossSpikeSevere"] == 'alertname =~ "GradmonLossSpike"'
+    assert inhibit["alertname = GradmonGradNormSpikeSevere"] == 'alertname =~ "GradmonGradNormSpike"'
+    assert "GradmonGradNormAboveBaseline" in inhibit["alertname = GradmonNonFiniteGradients"]
     failed = [r for r in cfg["inhibit_rules"] if r["source_matchers"] == ["alertname = GradmonRunFailed"]]
     assert failed and failed[0]["equal"] == ["job"]  # job-wide: the other ranks of the failed job
     for consequence in ("GradmonExporterDown", "GradmonRanksMissing", "GradmonTrainingStalled"):
