@@ -53,6 +53,31 @@ class Thresholds:
     fraction of steps means the scale is collapsing and the run is not learning."""
     amp_min_loss_scale: float = 1.0
     """A loss scale below this has given up on fp16's range."""
+    spike_repeats: int = 3
+    """Spike steps of one signal within ``Timing.spike_repeat_window`` that make spikes
+    critical (one is a warning). A step is what the counter counts: a spike lasting
+    several steps counts each of them, and a loss 3 steps above twice its median is
+    more than a blip."""
+    loss_divergence: float = 2.0
+    """A spike while the loss is above this many times its running minimum is critical:
+    the run has lost what it learned, not just hit an odd batch."""
+    norm_baseline_ratio: float = 3.0
+    """A layer's gradient norm this many times the median of its own last norm_baseline
+    sampled steps, sustained, is the warning tier: in the runs behind issue 10 the
+    embeddings' and first block's norms were 3x their own median 34-90 steps before a
+    loss spike (10x 1-8 steps before), while healthy runs stayed below."""
+    update_baseline_ratio: float = 10.0
+    """A layer's update-to-weight ratio this many times its own baseline (its median of
+    the last update_baseline readings): the layer moves an order of magnitude faster
+    than it did at the same learning rate."""
+    adam_rms_spike: float = 3.0
+    """Adam's RMS_t of g/sqrt(v̂) is about 1 for a gradient as large as its history; this
+    many times that means a gradient spike the second moment has not caught up with (the
+    instability StableAdamW clips; the bound is (1-β2)^(-1/2), 31.6 at β2=0.999, 4.5 at 0.95)."""
+    fp16_min_headroom: float = 2.0
+    """A float16 tensor whose max |x| is within this factor of 65504 is one doubling from
+    overflow. The gradient's headroom is the GradScaler's job where one is given (it
+    raises the scale until overflow on purpose): only a scaler-less gradient pages."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,20 @@ class Timing:
     divergence_for: float = 300
     amp_window: float = 600
     amp_for: float = 600
+    spike_window: float = 900
+    """How long one spike keeps its warning firing (``increase()`` of the spike counter)."""
+    spike_repeat_window: float = 3600
+    """The window in which ``Thresholds.spike_repeats`` spike steps are critical."""
+    loss_window: float = 120
+    """The loss must have stayed above ``Thresholds.loss_divergence`` times its running
+    minimum over this window (every scrape in it) for a spike to be critical: one small
+    batch's loss is often above twice the lowest batch loss seen."""
+    norm_ratio_for: float = 60
+    update_ratio_for: float = 60
+    adam_window: float = 300
+    """max_over_time of Adam's RMS: a reading every optimizer_every steps is caught by any scrape."""
+    fp16_for: float = 120
+    lr_zero_for: float = 600
 
     def scaled(self, factor: float) -> "Timing":
         return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self)})
@@ -106,8 +145,16 @@ REC_STEPS_RATE = f"model_rank:{M.STEPS.name}:rate1m"
 LOCAL_GLOBAL_NORM = M.LOCAL_GRAD_GLOBAL_NORM.name  # issue 4's pre-all-reduce view
 
 
+WHERE = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"  # in every description
+
+
+def _past_warmup(th: Thresholds) -> str:
+    """True for a target past the warm-up steps after attach (labels: TARGET)."""
+    return f"({_s(M.STEPS)} > {th.warmup_steps})"
+
+
 def recording_rules(th: Thresholds, t: Timing) -> List[Dict[str, str]]:
-    post = f"({_s(M.STEPS)} > {th.warmup_steps})"
+    post = _past_warmup(th)
     return [
         {"record": REC_GLOBAL_POST_WARMUP, "expr": f"{M.GRAD_GLOBAL_NORM.name} and {post}"},
         {"record": REC_GLOBAL_BASELINE,
@@ -150,7 +197,7 @@ def _last_state(states: Sequence[str], by: str, t: Timing) -> str:
 
 def alerts(th: Thresholds, t: Timing) -> List[Alert]:
     ended = _last_state(M.END_STATES, TARGET, t)  # a target gone after any end is not "down"
-    where = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"
+    where = WHERE
     return [
         Alert("GradmonNonFiniteGradients", "critical", "NaN/Inf gradients",
               "{{ $value | humanize }} NaN/Inf elements in the {{ $labels.tensor }} of layer {{ $labels.layer }} "
@@ -230,13 +277,101 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"   and on(job, model) ({REC_LOCAL_RANKS} == 2))\n"
               f")",
               t.divergence_for),
+        *_signal_alerts(th, t),
+    ]
+
+
+def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequence[str]) -> List[Alert]:
+    """A warning for any spike step of ``signals`` (one per step, counted in the process:
+    ``increase()`` sees a spike that no scrape did) and a critical alert for repeated ones,
+    or for one while the loss is above ``loss_divergence`` times its running minimum."""
+    where = WHERE
+    # The counter only where the run is past warm-up, as a subquery at the rule's own
+    # evaluation interval: a window reaching back into the warm-up does not count the
+    # warm-up's spikes, and no recording rule is needed (Grafana inlines those).
+    counted = f"{_s(M.SPIKE_STEPS)}{{signal=~\"{'|'.join(signals)}\"}} and on({TARGET}) {_past_warmup(th)}"
+
+    def spikes(window: float) -> str:
+        return f"sum by ({TARGET}, signal) (increase(({counted})[{dur(window)}:]))"
+
+    loss_high = (f"on({TARGET}) (min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) "
+                 f"> {th.loss_divergence:g} * {M.LOSS_RUNNING_MIN.name} "
+                 f"and {M.LOSS_RUNNING_MIN.name} > 0)")
+    return [
+        Alert(f"Gradmon{name}", "warning", f"{what} spike",
+              f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}) in the last "
+              f"{dur(t.spike_window)}: a value above twice its window's median and far outside its noise.",
+              f"{spikes(t.spike_window)} > 0", 0),
+        Alert(f"Gradmon{name}Severe", "critical", f"Repeated {what.lower()} spikes or a spike with the loss diverging",
+              f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}): at least {th.spike_repeats} in "
+              f"{dur(t.spike_repeat_window)}, or a spike in {dur(t.spike_window)} while the loss stayed above "
+              f"{th.loss_divergence:g}x its running minimum for {dur(t.loss_window)}.",
+              f"(\n  {spikes(t.spike_repeat_window)} >= {th.spike_repeats}\n  or\n"
+              f"  ({spikes(t.spike_window)} > 0 and {loss_high})\n)", 0),
+    ]
+
+
+def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
+    """What moves before a loss diverges: spikes, per-layer norms and updates far above
+    their own baselines (counted in steps, in the process), Adam's RMS, fp16 headroom and
+    the learning rate."""
+    where = WHERE
+    post = f"on({TARGET}) {_past_warmup(th)}"
+    lr = M.LEARNING_RATE.name
+    return [
+        *_spike_alerts(th, t, "LossSpike", "Loss", (M.SIGNAL_LOSS,)),
+        *_spike_alerts(th, t, "GradNormSpike", "Gradient norm", (M.SIGNAL_GRAD_NORM, M.SIGNAL_LOCAL_GRAD_NORM)),
+        Alert("GradmonGradNormAboveBaseline", "warning", "A layer's gradient norm far above its own baseline",
+              f"Gradient norm of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of its own "
+              f"recent sampled steps ({where}), above {th.norm_baseline_ratio:g}x for {dur(t.norm_ratio_for)}: "
+              "in unstable runs the embeddings and first blocks move first, steps before the loss spikes.",
+              f"max by ({TARGET}, layer) ({M.GRAD_NORM_BASELINE_RATIO.name}) > {th.norm_baseline_ratio:g}\nand {post}",
+              t.norm_ratio_for),
+        Alert("GradmonUpdateRatioAboveBaseline", "warning", "A layer's updates far above their own baseline",
+              f"Update-to-weight ratio of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of "
+              f"its own recent readings ({where}), above {th.update_baseline_ratio:g}x for {dur(t.update_ratio_for)}.",
+              f"max by ({TARGET}, layer) ({M.UPDATE_RATIO_BASELINE_RATIO.name}) > {th.update_baseline_ratio:g}\n"
+              f"and {post}",
+              t.update_ratio_for),
+        Alert("GradmonAdamRmsSpike", "warning", "Adam's second moment lags a gradient spike",
+              f"Adam's RMS(g/sqrt(v)) of layer {{{{ $labels.layer }}}} reached {{{{ $value | humanize }}}} in the last "
+              f"{dur(t.adam_window)} ({where}), above {th.adam_rms_spike:g} (about 1 when healthy).",
+              f"max by ({TARGET}, layer) (max_over_time({M.ADAM_RMS.name}[{dur(t.adam_window)}])) > {th.adam_rms_spike:g}\n"
+              f"and {post}",
+              0),
+        Alert("GradmonFp16HeadroomLow", "warning", "A float16 tensor is near overflow",
+              f"max |x| of the float16 {{{{ $labels.tensor }}}} of layer {{{{ $labels.layer }}}} is "
+              f"{{{{ $value | humanizePercentage }}}} of 65504 ({where}): less than {th.fp16_min_headroom:g}x headroom.",
+              f"max by ({TARGET}, layer, tensor) ({M.FP16_RANGE_USED.name}{{tensor=\"{M.TENSOR_ACTIVATION}\"}}) "
+              f"> {1 / th.fp16_min_headroom:g}\n"
+              f"or\n"
+              f"(\n  max by ({TARGET}, layer, tensor) ({M.FP16_RANGE_USED.name}{{tensor=\"{M.TENSOR_GRAD}\"}}) "
+              f"> {1 / th.fp16_min_headroom:g}\n"
+              f"  unless on({TARGET}) {M.AMP_LOSS_SCALE.name}\n)",
+              t.fp16_for),
+        Alert("GradmonLearningRateNonFinite", "critical", "Learning rate is NaN or infinite",
+              f"Learning rate of parameter group {{{{ $labels.group }}}} is {{{{ $value }}}} ({where}): "
+              "every update from now on poisons the weights.",
+              f"max by ({TARGET}, group) ({lr} != {lr} or abs({lr}) == Inf)", 0),
+        Alert("GradmonLearningRateZero", "warning", "Learning rate stuck at 0",
+              f"Learning rate of parameter group {{{{ $labels.group }}}} is 0 ({where}) for {dur(t.lr_zero_for)} "
+              f"after having been above 0 in the last {dur(t.history_window)}: the run is not learning. "
+              "Value: {{ $value }}.",
+              f"max by ({TARGET}, group) ({lr}) == 0\n"
+              f"and on({TARGET}, group) max by ({TARGET}, group) (max_over_time({lr}[{dur(t.history_window)}])) > 0",
+              t.lr_zero_for),
     ]
 
 
 INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     # one fault, one page: a NaN explains the explosion, vanishing and divergence that follow it
     ("GradmonNonFiniteGradients", ("GradmonGradientExplosion", "GradmonVanishingGradients",
-                                   "GradmonRankDivergence", "GradmonActivationBlowup")),
+                                   "GradmonRankDivergence", "GradmonActivationBlowup",
+                                   "GradmonGradNormSpike", "GradmonGradNormAboveBaseline",
+                                   "GradmonUpdateRatioAboveBaseline", "GradmonAdamRmsSpike")),
+    # the critical tier of a spike says everything its warning does
+    ("GradmonLossSpikeSevere", ("GradmonLossSpike",)),
+    ("GradmonGradNormSpikeSevere", ("GradmonGradNormSpike",)),
     # a dead exporter explains why no step is seen
     ("GradmonExporterDown", ("GradmonTrainingStalled",)),
     # a failed rank explains the others that torchrun then kills, or that hang in a collective
@@ -352,6 +487,12 @@ def _panel(pid: int, title: str, kind: str, grid: Tuple[int, int, int, int], tar
     }
 
 
+def _row(pid: int, title: str, y: int) -> Dict[str, Any]:
+    """A row header; ``targets`` empty so that whatever walks every panel's queries walks it too."""
+    return {"id": pid, "type": "row", "title": title, "collapsed": False,
+            "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}, "panels": [], "targets": []}
+
+
 def _var(name: str, query: str, label: str, multi: bool = True) -> Dict[str, Any]:
     return {"name": name, "label": label, "type": "query",
             "datasource": {"type": "prometheus", "uid": "${datasource}"},
@@ -407,6 +548,28 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
         _panel(7, "Global norm distribution (every step)", "heatmap", (0, 22, 24, 8),
                [(f"sum by (le) (increase({M.GRAD_GLOBAL_NORM_DISTRIBUTION.name}_bucket{{{SEL}}}[$__rate_interval]))", "{{le}}")],
                fmt="heatmap", description="From the cumulative histogram: catches a one-step spike between scrapes."),
+        _row(8, "Stability", 30),
+        _panel(9, "Loss and its running minimum", "timeseries", (0, 31, 12, 8),
+               [(f"{M.LOSS.name}{{{SEL}}}", "loss {{job}} rank {{rank}}"),
+                (f"{M.LOSS_RUNNING_MIN.name}{{{SEL}}}", "running min {{job}} rank {{rank}}"),
+                (f"{th.loss_divergence:g} * {M.LOSS_RUNNING_MIN.name}{{{SEL}}}",
+                 f"{th.loss_divergence:g}x running min {{{{job}}}} rank {{{{rank}}}}")], log=True,
+               description="A spike while the loss is above the dashed multiple of its running minimum is critical "
+                           "(GradmonLossSpikeSevere, GradmonGradNormSpikeSevere)."),
+        _panel(10, "Spike scores", "timeseries", (12, 31, 12, 8),
+               [(f"{M.SPIKE_SCORE.name}{{{SEL}}}", "{{signal}} {{job}} rank {{rank}}")],
+               description="Robust score of the last scored step, in robust standard deviations above the window's "
+                           "trend; a spike also needs the value above twice the window's median."),
+        _panel(11, "Spike steps", "timeseries", (0, 39, 8, 8),
+               [(f"sum by (job, rank, signal) (increase({_s(M.SPIKE_STEPS)}{{{SEL}}}[$__rate_interval]))",
+                 "{{signal}} {{job}} rank {{rank}}")],
+               thresholds=[("green", None), (orange, 1), (red, th.spike_repeats)],
+               description="Counted in the process: a one-step spike between two scrapes is here."),
+        _panel(12, "Learning rate", "timeseries", (8, 39, 8, 8),
+               [(f"{M.LEARNING_RATE.name}{{{SEL}}}", "group {{group}} {{job}} rank {{rank}}")], log=True),
+        _panel(13, "Update-to-weight ratio (largest layer)", "timeseries", (16, 39, 8, 8),
+               [(f"max by (job, rank) ({M.UPDATE_TO_WEIGHT_RATIO.name}{{{SEL}}})", "{{job}} rank {{rank}}")], log=True,
+               description="Around 1e-3 per step is usual for Adam; per layer on the Layers dashboard."),
     ], with_layer=False)
     layers = _dashboard("gradmon-layers", "gradmon / Layers", [
         _panel(1, "Gradient norm by layer", "timeseries", (0, 0, 24, 9),
@@ -429,6 +592,32 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
         _panel(8, "Non-finite elements by layer (1h)", "table", (0, 35, 24, 8),
                [(f"sum by (layer, tensor, kind) (increase({_s(M.NONFINITE)}{{{LSEL}}}[1h]))", "{{layer}}")],
                instant=True, fmt="table"),
+        _panel(9, "Gradient norm over its own baseline", "timeseries", (0, 43, 12, 8),
+               [(f"{M.GRAD_NORM_BASELINE_RATIO.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
+               thresholds=[("green", None), (orange, th.norm_baseline_ratio)],
+               description="Each layer's norm over the median of its own last norm_baseline sampled steps; "
+                           "GradmonGradNormAboveBaseline warns above the line. The first layers move first."),
+        _panel(10, "Update-to-weight ratio by layer", "timeseries", (12, 43, 12, 8),
+               [(f"{M.UPDATE_TO_WEIGHT_RATIO.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True),
+        _panel(11, "Update ratio over its own baseline", "timeseries", (0, 51, 12, 8),
+               [(f"{M.UPDATE_RATIO_BASELINE_RATIO.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
+               thresholds=[("green", None), (orange, th.update_baseline_ratio)]),
+        _panel(12, "Adam RMS(g / sqrt(v)) by layer", "timeseries", (12, 51, 12, 8),
+               [(f"{M.ADAM_RMS.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")],
+               thresholds=[("green", None), (orange, th.adam_rms_spike)],
+               description="About 1 when healthy; far above, the second moment lags a gradient spike."),
+        _panel(13, "Activation max |x| over its own baseline", "timeseries", (0, 59, 12, 8),
+               [(f"{M.ACTIVATION_ABS_MAX_RATIO.name}{{{LSEL}}}", "{{layer}}")], log=True),
+        _panel(14, "Activation kurtosis by layer", "timeseries", (12, 59, 12, 8),
+               [(f"{M.ACTIVATION_KURTOSIS.name}{{{LSEL}}}", "{{layer}}")], log=True,
+               description="A Gaussian is 3; outlier features push it far up long before max |x| overflows."),
+        _panel(15, "fp16 range used", "timeseries", (0, 67, 12, 8),
+               [(f"{M.FP16_RANGE_USED.name}{{{LSEL}}}", "{{layer}} {{tensor}}")], unit="percentunit",
+               thresholds=[("green", None), (red, 1 / th.fp16_min_headroom)],
+               description="max |x| / 65504 of float16 outputs and their gradients (float16 layers only)."),
+        _panel(16, "fp16 gradient underflow fraction", "timeseries", (12, 67, 12, 8),
+               [(f"{M.GRAD_FP16_UNDERFLOW_FRACTION.name}{{{LSEL}}}", "{{layer}}")], unit="percentunit",
+               description="Exact zeros, true zeros included: watch its rise, not its level."),
     ], with_layer=True)
     ranks = _dashboard("gradmon-ranks", "gradmon / Ranks", [
         _panel(1, "Global gradient norm by rank", "timeseries", (0, 0, 12, 8),

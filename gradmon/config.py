@@ -110,6 +110,19 @@ class Config:
     gradmon_activation_abs_max_ratio: long enough to ignore one odd batch, short enough
     to follow a run's normal drift. Kept on the publisher thread; no training-time cost."""
 
+    norm_baseline: int = 128
+    """Sampled measurements (every ``every`` steps) of a layer's gradient norm whose median
+    is the baseline of gradmon_grad_norm_baseline_ratio: counted in steps, not minutes, so
+    the same rule means the same thing for a job at 1 step/s and at 1 step/min. 128 spans
+    the 34-90 steps in which a layer's norm rises before a loss spike, and more. Restarts
+    with the spike windows; kept on the publisher thread, no training-time cost."""
+
+    update_baseline: int = 32
+    """Measurements (every ``optimizer_every`` steps) of a layer's update-to-weight ratio
+    whose median is the baseline of gradmon_update_ratio_baseline_ratio: 32 of them are
+    320 steps at the default optimizer_every. Restarts when a learning rate jumps (the
+    ratio moves with it); kept on the publisher thread, no training-time cost."""
+
     grad_flow: bool = True
     """Norm and non-finite counts of the gradient with respect to each layer's output."""
 
@@ -338,7 +351,8 @@ def _validate(cfg: Config) -> None:
     _in_range(cfg, "spike_window", 4, math.inf, "an integer number of steps of at least 4")
     _in_range(cfg, "spike_min_steps", 4, cfg.spike_window, f"in 4..spike_window ({cfg.spike_window})")
     from .statistics import MIN_BASELINE  # the ratio is absent until that many values exist anyway
-    _in_range(cfg, "activation_baseline", MIN_BASELINE, 10_000, f"an integer in {MIN_BASELINE}..10000")
+    for baseline in ("activation_baseline", "norm_baseline", "update_baseline"):
+        _in_range(cfg, baseline, MIN_BASELINE, 10_000, f"an integer in {MIN_BASELINE}..10000")
     if cfg.scaler is not None:
         from .amp import is_scaler
         if not is_scaler(cfg.scaler):

@@ -273,6 +273,7 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
             scale = 1.0 + 3.0 * math.exp(-step / 20)
             loss = nn.functional.cross_entropy(model(x * scale), y)
             loss.backward()
+            monitor.observe(loss=loss)  # gradmon_loss and its spike score: no .item() here
             for p in model.parameters():  # the job's own NaN guard, after gradmon has looked
                 if p.grad is not None:
                     torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)

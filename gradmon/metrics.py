@@ -100,6 +100,13 @@ UPDATE_TO_WEIGHT_RATIO = _spec("update_to_weight_ratio", "gauge", ("layer",),
 ADAM_RMS = _spec("adam_rms", "gauge", ("layer",),
                  "sqrt(mean(g²/max(v̂, ε²))) of the layer's parameters at the last optimizer_every step (Adam, "
                  "AdamW): bounded by about (1-β2)^(-1/2); near the bound, v̂ lags a gradient spike.")
+GRAD_NORM_BASELINE_RATIO = _spec("grad_norm_baseline_ratio", "gauge", ("layer",),
+                                 "The layer's gradient norm over its own baseline: the median of its last norm_baseline "
+                                 "sampled measurements (absent until 8 exist; restarted by a learning-rate jump).")
+UPDATE_RATIO_BASELINE_RATIO = _spec("update_ratio_baseline_ratio", "gauge", ("layer",),
+                                    "The layer's update-to-weight ratio over its own baseline: the median of its last "
+                                    "update_baseline optimizer_every measurements (absent until 8 exist; restarted by "
+                                    "a learning-rate jump).")
 LEARNING_RATE = _spec("learning_rate", "gauge", ("group",),
                       "Learning rate of each parameter group (index) of the optimizer at the last step.")
 ACTIVATION_ABS_MAX_RATIO = _spec("activation_abs_max_ratio", "gauge", ("layer",),

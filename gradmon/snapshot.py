@@ -229,6 +229,13 @@ class _Folded:
             window.append(x)  # a NaN step must not poison the baseline for a whole window
         return S.relative(x, window)
 
+    def restart(self) -> None:
+        """Forget the baselines declared to restart with the spike windows."""
+        for gauge, windows in self.history.items():
+            if gauge.restarts:
+                for window in windows:
+                    window.clear()
+
 
 class Aggregator:
     """Cumulative state of one monitor. Used only by the publisher thread."""
@@ -371,7 +378,11 @@ class Aggregator:
         lrs = tuple(scalars.get(S.learning_rate_scalar(group), math.nan) if lr is None else lr
                     for group, lr in enumerate(packet.learning_rates))
         self.learning_rates = lrs or self.learning_rates
+        restarts = self.spikes.restarts
         self.spikes.new_step(packet.global_step, tuple(lr if math.isfinite(lr) else None for lr in lrs))
+        if self.spikes.restarts != restarts:
+            for folded in self.folded.values():
+                folded.restart()
         loss = scalars.get(S.SCALAR_LOSS)
         if loss is not None:
             self.loss = loss

@@ -118,6 +118,10 @@ class LayerGauge:
     """A Config field N: export ``value`` divided by the median of the layer's last N
     values (this one included), on the publisher thread from host values; absent until
     :data:`MIN_BASELINE` finite values exist (see :func:`relative`)."""
+    restarts: bool = False
+    """The baseline is forgotten where the spike windows restart (a learning-rate jump, a
+    resumed run): for values that move with the learning rate, whose old median would
+    make a warm restart look like a blow-up (and a drop to a low rate like a recovery)."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,7 @@ _GRAD_NORM = Column("norm", NORM, scale_power=1)
 GRAD = Statistic(
     "grad", None, PARAM_GRAD, ((_GRAD_NORM,) + _COUNTS,),
     lambda grads, home: stats.param_grad_stats(grads, home),
-    gauges=(LayerGauge(M.GRAD_NORM, _norm),),
+    gauges=(LayerGauge(M.GRAD_NORM, _norm), LayerGauge(M.GRAD_NORM_BASELINE_RATIO, _norm, baseline="norm_baseline", restarts=True)),
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD}, origin=M.TENSOR_GRAD,
     coverage=M.FAMILY_GRAD, reduced=True, sampled=True,
     total=M.GRAD_GLOBAL_NORM, histogram=M.GRAD_GLOBAL_NORM_DISTRIBUTION, spike=M.SIGNAL_GRAD_NORM)
@@ -304,7 +308,9 @@ LAYER_FINITE = Statistic(
 # Weights and optimizer state are the same on every rank under DDP: rank 0 exports them.
 UPDATE_RATIO = Statistic(
     "update_ratio", "optimizer_every", OPTIMIZER, ((Column("update", NORM), Column("weight", NORM)),),
-    lambda reading: reading.update, gauges=(LayerGauge(M.UPDATE_TO_WEIGHT_RATIO, _ratio),),
+    lambda reading: reading.update,
+    gauges=(LayerGauge(M.UPDATE_TO_WEIGHT_RATIO, _ratio),
+            LayerGauge(M.UPDATE_RATIO_BASELINE_RATIO, _ratio, baseline="update_baseline", restarts=True)),
     coverage=M.FAMILY_OPTIMIZER, reduced=True)
 
 # RMS of g'/sqrt(max(v̂, ε²)) over the layer's elements: the root of a norm over numel.

@@ -34,6 +34,9 @@ def test_datasource_variable_and_filters(name):
     if name == "layers":
         assert variables["layer"]["multi"] and variables["layer"]["includeAll"]
     for panel in board["panels"]:
+        if panel["type"] == "row":
+            assert not panel["targets"]
+            continue
         assert panel["datasource"]["uid"] == "${datasource}"
         assert panel["fieldConfig"]["defaults"]["unit"]
         for target in panel["targets"]:
@@ -59,3 +62,40 @@ def test_threshold_lines_come_from_the_alert_thresholds():
     assert th.explode_abs in [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
     panel = next(p for p in BOARDS["layers"]["panels"] if p["title"] == "Activation max |x| by layer")
     assert th.activation_abs_max in [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+
+
+def _exprs(panels) -> str:
+    return "\n".join(t["expr"] for p in panels for t in p["targets"])
+
+
+# Per-layer families with no panel on the Layers dashboard, and why
+NOT_ON_LAYERS = {M.LOCAL_GRAD_NORM.name: "each rank's own view: the Ranks dashboard shows its global norm"}
+
+
+def test_every_per_layer_family_of_the_statistics_table_has_a_layers_panel():
+    from gradmon import statistics as S
+    families = {g.spec.name for st in S.STATISTICS for g in st.gauges}
+    shown = set(re.findall(r"gradmon_\w+", _exprs(BOARDS["layers"]["panels"])))
+    assert families - set(NOT_ON_LAYERS) <= shown, families - set(NOT_ON_LAYERS) - shown
+
+
+def test_overview_has_a_stability_row_with_loss_spikes_learning_rate_and_update_ratio():
+    panels = BOARDS["overview"]["panels"]
+    row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Stability")
+    below = panels[row + 1:]
+    assert all(p["gridPos"]["y"] > panels[row]["gridPos"]["y"] for p in below)
+    exprs = _exprs(below)
+    for spec in (M.LOSS, M.LOSS_RUNNING_MIN, M.SPIKE_SCORE, M.LEARNING_RATE, M.UPDATE_TO_WEIGHT_RATIO):
+        assert spec.name + "{" in exprs, spec.name
+    # a counter is drawn as its increase, never as its raw cumulative value
+    assert f"increase({M.SPIKE_STEPS.name}_total{{" in exprs
+
+
+def test_stability_threshold_lines_come_from_the_alert_thresholds():
+    th = alerting.Thresholds()
+    for title, value in (("Gradient norm over its own baseline", th.norm_baseline_ratio),
+                         ("Update ratio over its own baseline", th.update_baseline_ratio),
+                         ("Adam RMS(g / sqrt(v)) by layer", th.adam_rms_spike),
+                         ("fp16 range used", 1 / th.fp16_min_headroom)):
+        panel = next(p for p in BOARDS["layers"]["panels"] if p["title"] == title)
+        assert value in [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]], title

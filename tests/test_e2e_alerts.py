@@ -182,6 +182,9 @@ JOBS = "(" + "|".join(SCENARIOS) + ")"
 # panels that only a multi-rank DDP job can fill (local, pre-all-reduce norms)
 NEEDS_MULTI_RANK = {("ranks", "Local (pre-all-reduce) norm by rank"),
                     ("ranks", "Spread across ranks (max / median of local norms)")}
+# panels whose families cannot exist in these runs: the demo trains an fp32 model on the CPU,
+# and the fp16 families exist only for float16 layers (test_activation_signals.py checks them)
+CANNOT_EXIST_HERE = {("layers", "fp16 range used"), ("layers", "fp16 gradient underflow fraction")}
 
 
 def substitute(expr: str) -> str:
@@ -202,6 +205,8 @@ def test_every_dashboard_query_returns_data(stack, outcome, board, title, expr):
     prom = stack[0]
     if (board, title) in NEEDS_MULTI_RANK:
         pytest.skip("needs a multi-rank DDP job's gradmon_local_* series: checked in test_multigpu.py")
+    if (board, title) in CANNOT_EXIST_HERE:
+        pytest.skip("fp16 families: the end-to-end demo trains in fp32 on the CPU")
     result = prom.query(substitute(expr))
     assert result, f"{board} / {title}: {substitute(expr)} returned nothing"
 

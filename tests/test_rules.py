@@ -147,6 +147,125 @@ CASES = {
 }
 
 
+def spikes(values: str, signal: str = "loss", rank: str = "0") -> dict:
+    return series("gradmon_spike_steps_total", values, rank=rank, signal=signal)
+
+
+def loss(values: str, running_min: str) -> list:
+    return [series("gradmon_loss", values, rank="0"), series("gradmon_loss_running_min", running_min, rank="0")]
+
+
+def layer(name: str, values: str, layer_name: str = "embed", **labels: str) -> dict:
+    return series(name, values, rank="0", layer=layer_name, **labels)
+
+
+def lr(values: str, group: str = "0") -> dict:
+    return series("gradmon_learning_rate", values, rank="0", group=group)
+
+
+NOISE = "1 1.4 0.8 1.1 0.9 1.3 0.7 1.2 "  # a healthy ratio to its own median, scraped once a minute
+# An LR warm-up over 2,000 steps at 100 steps a minute: 0 to 1e-3 in 20 minutes, then flat
+LR_WARMUP = "0+0.00005x20 0.001x40"
+# A cosine schedule reaching 0 and restarting (SGDR): 0 for two minutes, not ten
+LR_RESTART = "0.001 0.0009 0.0007 0.0005 0.0003 0.0001 0 0 0.001 0.0009 0.0007 0.0005 0.0003 0.0001 0 0.001x15"
+
+CASES.update({
+    # -- spikes: the in-process counters, so a one-step spike between two scrapes still counts
+    "a_single_loss_spike_counted_between_two_scrapes_is_a_warning": (
+        [steps(), spikes("0x10 1x20")],
+        [alert("GradmonLossSpike", "12m", ("warning", target(rank="0", signal="loss"))),
+         alert("GradmonLossSpikeSevere", "12m")]),
+    "the_loss_spike_warning_clears_after_its_window": (
+        [steps(), spikes("0x10 1x40")],
+        [alert("GradmonLossSpike", "40m")]),
+    "three_loss_spikes_in_the_window_are_critical": (
+        [steps(), spikes("0x10 1x10 2x10 3x10")],
+        [alert("GradmonLossSpikeSevere", "35m", ("critical", target(rank="0", signal="loss")))]),
+    "a_loss_spike_with_the_loss_above_twice_its_running_minimum_is_critical": (
+        [steps(), spikes("0x10 1x20"), *loss("0.9x10 2.5x20", "0.8x30")],
+        [alert("GradmonLossSpikeSevere", "12m"),  # the loss has not stayed up for 2m yet
+         alert("GradmonLossSpikeSevere", "14m", ("critical", target(rank="0", signal="loss")))]),
+    "one_noisy_loss_reading_above_twice_the_running_minimum_leaves_a_spike_a_warning": (
+        # small batches: the last step's loss is often above twice the lowest batch loss seen
+        [steps(), spikes("0x10 1x20"), *loss("0.9 1.1 0.8 1.2 1.0 " * 2 + "0.9 2.5 1.0 2.2 1.1 0.9x15", "0.8x30")],
+        [alert("GradmonLossSpikeSevere", "11m"), alert("GradmonLossSpikeSevere", "13m"),
+         alert("GradmonLossSpike", "13m", ("warning", target(rank="0", signal="loss")))]),
+    "no_spike_alert_for_loss_spikes_in_the_warm_up": (
+        # 10 steps a minute: past the 100-step warm-up at 10m; the spikes at steps 30 and 60
+        [series("gradmon_steps_total", "0+10x60", rank="0"), spikes("0x3 1x3 2x60"),
+         *loss("3 2.8 2.5 9 2.2 2 7 1.9 1.8 1.7 1.6x50", "3 2.8 2.5 2.5 2.2 2 2 1.9 1.8 1.7 1.6x50")],
+        [alert("GradmonLossSpike", "5m"), alert("GradmonLossSpike", "12m"),
+         alert("GradmonLossSpikeSevere", "12m"), alert("GradmonLossSpikeSevere", "40m")]),
+    "no_spike_alert_for_a_noisy_loss_bumped_by_an_lr_restart_without_spike_steps": (
+        # the restart's loss bump is 2.5x the running minimum, but the windows restarted with
+        # the learning rate's jump and scored no spike: the counter stays flat
+        [steps(), spikes("0x60"), *loss("1.1 0.9 1.2 0.8 1.0 0.95 " * 3 + "2.5 2.1 1.6 1.2 1.0x20", "0.8x60")],
+        [alert("GradmonLossSpike", "20m"), alert("GradmonLossSpikeSevere", "20m")]),
+    "a_single_grad_norm_spike_is_a_warning": (
+        [steps(), spikes("0x10 1x20", "grad_norm")],
+        [alert("GradmonGradNormSpike", "12m", ("warning", target(rank="0", signal="grad_norm"))),
+         alert("GradmonGradNormSpikeSevere", "12m")]),
+    "repeated_spikes_of_one_ranks_own_gradient_are_critical_naming_that_rank": (
+        [steps("0"), steps("1"), spikes("0x40", "local_grad_norm", "0"), spikes("0x10 1 1 2 3x30", "local_grad_norm", "1")],
+        [alert("GradmonGradNormSpikeSevere", "20m", ("critical", target(rank="1", signal="local_grad_norm")))]),
+    "a_grad_norm_spike_with_the_loss_above_twice_its_running_minimum_is_critical": (
+        [steps(), spikes("0x10 1x20", "grad_norm"), *loss("1x10 2.5x20", "0.9x30")],
+        [alert("GradmonGradNormSpikeSevere", "14m", ("critical", target(rank="0", signal="grad_norm")))]),
+    "no_grad_norm_spike_alert_in_the_warm_up": (
+        [series("gradmon_steps_total", "0+10x60", rank="0"), spikes("0 1 2 3 4x60", "grad_norm")],
+        [alert("GradmonGradNormSpike", "15m"), alert("GradmonGradNormSpikeSevere", "15m")]),
+    # -- per-layer baselines, counted in steps in the process
+    "a_layer_norm_sustained_at_4x_its_own_median_warns_naming_the_layer": (
+        [steps(), layer("gradmon_grad_norm_baseline_ratio", NOISE * 2 + "4 6 10 12x5")],
+        [alert("GradmonGradNormAboveBaseline", "19m", ("warning", target(rank="0", layer="embed")))]),
+    "no_layer_norm_alert_for_one_noisy_reading_or_in_the_warm_up": (
+        # one 3.5 among healthy noise is pending, never firing; 8x in the warm-up is normal
+        [series("gradmon_steps_total", "0+10x60", rank="0"),
+         layer("gradmon_grad_norm_baseline_ratio", "8x9 " + NOISE + "3.5 " + NOISE * 4)],
+        [alert("GradmonGradNormAboveBaseline", "9m"), alert("GradmonGradNormAboveBaseline", "18m"),
+         alert("GradmonGradNormAboveBaseline", "40m")]),
+    "updates_sustained_at_15x_their_own_baseline_warn": (
+        [steps(), layer("gradmon_update_ratio_baseline_ratio", "1x20 15x5", "blocks.0.attn")],
+        [alert("GradmonUpdateRatioAboveBaseline", "23m", ("warning", target(rank="0", layer="blocks.0.attn")))]),
+    "no_update_alert_through_an_lr_warm_up_and_restart": (
+        # a linear warm-up keeps the ratio near 2 (each reading over the median of its
+        # smaller predecessors); the restart's jump empties the baseline: absent, then ~1
+        [steps(), layer("gradmon_update_ratio_baseline_ratio", "2.2 2 1.8 1.6 1.5 1.4 1.3 1.2 1.1x10 _x3 1.2 1 1.1x20")],
+        [alert("GradmonUpdateRatioAboveBaseline", "20m"), alert("GradmonUpdateRatioAboveBaseline", "35m")]),
+    "an_adam_rms_spike_read_once_warns_for_its_window": (
+        [steps(), layer("gradmon_adam_rms", "1x10 4.2 1x10", "blocks.0.mlp")],
+        [alert("GradmonAdamRmsSpike", "14m", ("warning", target(rank="0", layer="blocks.0.mlp")))]),
+    "no_adam_rms_alert_for_ordinary_values": (
+        [steps(), layer("gradmon_adam_rms", "0.9 1.1 1.4 0.7 2.2 1 " * 5, "blocks.0.mlp")],
+        [alert("GradmonAdamRmsSpike", "25m")]),
+    # -- fp16 headroom
+    "fp16_activation_with_less_than_2x_headroom_warns": (
+        [layer("gradmon_fp16_range_used", "0.2x5 0.6x5", "blocks.3.mlp", tensor="activation")],
+        [alert("GradmonFp16HeadroomLow", "9m", ("warning", target(rank="0", layer="blocks.3.mlp", tensor="activation")))]),
+    "fp16_gradient_near_overflow_without_a_scaler_warns": (
+        [layer("gradmon_fp16_range_used", "0.7x10", "head", tensor="grad")],
+        [alert("GradmonFp16HeadroomLow", "9m", ("warning", target(rank="0", layer="head", tensor="grad")))]),
+    "no_fp16_alert_while_a_grad_scaler_pushes_the_gradient_up_on_purpose": (
+        [layer("gradmon_fp16_range_used", "0.6 0.9 0.7 0.95 0.8 0.6 " * 2, "head", tensor="grad"),
+         layer("gradmon_fp16_range_used", "0.1 0.3 0.2 0.45 " * 3, "head", tensor="activation"),
+         series("gradmon_amp_loss_scale", "65536 131072 262144 131072 262144 524288 " * 2, rank="0")],
+        [alert("GradmonFp16HeadroomLow", "10m")]),
+    # -- learning rate
+    "a_nan_learning_rate_is_critical_at_once": (
+        [lr("0.001x5 NaN NaN NaN NaN NaN")],
+        [alert("GradmonLearningRateNonFinite", "6m", ("critical", target(rank="0", group="0")))]),
+    "no_nonfinite_lr_alert_through_an_lr_warm_up_from_0": (
+        [lr(LR_WARMUP)], [alert("GradmonLearningRateNonFinite", "10m")]),
+    "a_learning_rate_at_0_for_10m_after_having_been_positive_warns": (
+        [lr("0.001x10 0x20"), lr("0x30", group="1")],
+        [alert("GradmonLearningRateZero", "19m"),
+         alert("GradmonLearningRateZero", "22m", ("warning", target(rank="0", group="0")))]),
+    "no_lr_zero_alert_for_a_group_at_0_from_the_start_a_warm_up_or_a_restart": (
+        [lr("0x40", group="frozen"), lr(LR_WARMUP, group="warmup"), lr(LR_RESTART, group="sgdr")],
+        [alert("GradmonLearningRateZero", "15m"), alert("GradmonLearningRateZero", "30m")]),
+})
+
+
 def test_generated_files_match_the_definitions():
     assert alerting.main(["check", str(ROOT)]) == 0, "run `python -m gradmon.alerting write` and commit"
 
@@ -199,6 +318,11 @@ READABLE = {
         "GradmonVanishingGradients", "20m", target(rank="0", layer="blocks.0.fc"),
         f"Gradient norm of layer blocks.0.fc is 1.235n ({WHERE}): below 1e-08 or below 0.0001x its own median, "
         "for 10m."),
+    "spike_count": (  # increase() extrapolates one spike to 1.07 here: a count is printed whole
+        [steps(), spikes("0x10 1x20")],
+        "GradmonLossSpike", "12m", target(rank="0", signal="loss"),
+        f"1 loss spike steps ({WHERE}) in the last 15m: a value above twice its window's median and far outside "
+        "its noise."),
 }
 
 
@@ -239,6 +363,10 @@ def test_alertmanager_config_is_valid_and_inhibits_the_consequences_of_one_fault
     inhibit = {r["source_matchers"][0]: r["target_matchers"][0] for r in cfg["inhibit_rules"]}
     assert "GradmonGradientExplosion" in inhibit["alertname = GradmonNonFiniteGradients"]
     assert "GradmonTrainingStalled" in inhibit["alertname = GradmonExporterDown"]
+    # a spike's critical tier silences its warning, and a NaN the norm warnings it causes
+    assert inhibit["alertname = GradmonLossSpikeSevere"] == 'alertname =~ "GradmonLossSpike"'
+    assert inhibit["alertname = GradmonGradNormSpikeSevere"] == 'alertname =~ "GradmonGradNormSpike"'
+    assert "GradmonGradNormAboveBaseline" in inhibit["alertname = GradmonNonFiniteGradients"]
     failed = [r for r in cfg["inhibit_rules"] if r["source_matchers"] == ["alertname = GradmonRunFailed"]]
     assert failed and failed[0]["equal"] == ["job"]  # job-wide: the other ranks of the failed job
     for consequence in ("GradmonExporterDown", "GradmonRanksMissing", "GradmonTrainingStalled"):

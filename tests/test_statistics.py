@@ -102,12 +102,12 @@ def test_grouped_layers_fold_a_declared_statistic_by_its_columns(attach, with_te
 def test_the_series_budget_counts_every_declared_statistic(with_test_statistics):
     enabled = S.enabled(_cfg(), local_view=False)
     assert OUTPUT_STAT in enabled and GRAD_STAT in enabled
-    # grad 1+2, activation 3+2, grad flow 1+2, kurtosis 1, update ratio 1, Adam RMS 1, and the
-    # two test statistics' 2 gauges each
-    assert S.series_per_layer(enabled) == 3 + 5 + 3 + 1 + 1 + 1 + 2 + 2
+    # grad 2+2 (the norm and its ratio to its own baseline), activation 3+2, grad flow 1+2,
+    # kurtosis 1, update ratio 2 (the same), Adam RMS 1, and the two test statistics' 2 gauges each
+    assert S.series_per_layer(enabled) == 4 + 5 + 3 + 1 + 2 + 1 + 2 + 2
     # fp16 headroom (off unless resolved on at attach): range used of the output and of its
     # gradient, and the gradient's zero fraction
-    assert S.series_per_layer(S.enabled(_cfg(), local_view=False, fp16_headroom=True)) == 3 + 5 + 3 + 1 + 1 + 1 + 3 + 2 + 2
+    assert S.series_per_layer(S.enabled(_cfg(), local_view=False, fp16_headroom=True)) == 4 + 5 + 3 + 1 + 2 + 1 + 3 + 2 + 2
 
 
 def test_switches_turn_statistics_off():

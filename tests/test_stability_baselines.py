@@ -1,0 +1,118 @@
+"""Issue 10 part 3: each layer's gradient norm and update-to-weight ratio over the median of
+its own last N measurements, counted in steps in the process. Checked against the test's own
+measurements of the same model (plain torch), not against numbers written down."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import List, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import fresh
+from gradmon import metrics as M
+from gradmon import statistics as S
+
+LAYER = "0"
+
+
+def ratio(mon, spec: M.MetricSpec) -> Optional[float]:
+    hits = [v for (n, ls), v in fresh(mon).items() if n == spec.name and ("layer", LAYER) in ls]
+    return hits[0] if hits else None
+
+
+def layer_norm(tensors) -> float:
+    return math.sqrt(sum(t.double().square().sum().item() for t in tensors))
+
+
+class Run:
+    """A two-layer model under SGD; records, per step, layer 0's gradient norm and its
+    ‖Δw‖/‖w_{t-1}‖ computed here from the weights before and after the step."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        torch.manual_seed(5)
+        self.model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
+        self.norms: List[float] = []
+        self.updates: List[float] = []
+
+    def step(self, scale: float = 1.0) -> None:
+        params = list(self.model[0].parameters())
+        self.model(torch.randn(16, 8) * scale).square().mean().backward()
+        self.norms.append(layer_norm(p.grad for p in params))
+        before = [p.detach().clone() for p in params]
+        self.opt.step()
+        self.updates.append(layer_norm(p.detach() - b for p, b in zip(params, before)) / layer_norm(before))
+        self.opt.zero_grad(set_to_none=True)
+
+
+def expected(values: List[float], window: int) -> float:
+    return values[-1] / statistics.median(values[-window:])
+
+
+def test_grad_norm_baseline_ratio_is_the_norm_over_the_median_of_its_own_last_steps(attach):
+    run, window = Run(), 10
+    mon = attach(run.model, norm_baseline=window)
+    for i in range(S.MIN_BASELINE - 1):
+        run.step()
+        assert ratio(mon, M.GRAD_NORM_BASELINE_RATIO) is None, f"a ratio after {i + 1} measurements"
+    for _ in range(window + 4):  # past the window: the oldest values roll out of the median
+        run.step()
+        got = ratio(mon, M.GRAD_NORM_BASELINE_RATIO)
+        assert got == pytest.approx(expected(run.norms, window), rel=1e-5)
+        assert 0.3 < got < 3.0  # healthy steps: near 1
+    run.step(scale=40.0)  # the layer's gradient jumps: the ratio says by how much
+    got = ratio(mon, M.GRAD_NORM_BASELINE_RATIO)
+    assert got == pytest.approx(expected(run.norms, window), rel=1e-5) and got > 4
+
+
+def test_update_ratio_baseline_ratio_is_the_update_ratio_over_the_median_of_its_own_readings(attach):
+    run, window = Run(), 9
+    mon = attach(run.model, optimizer_every=2, update_baseline=window)
+    read: List[float] = []  # the readings gradmon takes: steps 1, 3, 5... (the first one included)
+    for i in range(2 * (window + 6)):
+        run.step(scale=40.0 if i == 2 * (window + 5) else 1.0)
+        if i % 2 == 0:
+            read.append(run.updates[-1])
+        got = ratio(mon, M.UPDATE_RATIO_BASELINE_RATIO)
+        if len(read) < S.MIN_BASELINE:
+            assert got is None, f"a ratio after {len(read)} readings"
+        else:
+            assert got == pytest.approx(expected(read, window), rel=1e-4), i
+    assert got > 5  # the last reading is the large step's
+
+
+def test_both_baselines_restart_when_the_learning_rate_jumps_and_the_activation_ones_do_not(attach):
+    run = Run(lr=0.05)
+    mon = attach(run.model, norm_baseline=16, update_baseline=16, optimizer_every=1, detail_every=1)
+    for _ in range(12):
+        run.step()
+    assert ratio(mon, M.GRAD_NORM_BASELINE_RATIO) is not None
+    assert ratio(mon, M.UPDATE_RATIO_BASELINE_RATIO) is not None
+    for group in run.opt.param_groups:
+        group["lr"] = 0.5  # a warm restart: 10x in one step
+    jump = len(run.norms)
+    for i in range(S.MIN_BASELINE - 1):
+        run.step()
+        # the old median would make the restart's 10x larger updates look like a blow-up
+        assert ratio(mon, M.UPDATE_RATIO_BASELINE_RATIO) is None, i
+        assert ratio(mon, M.GRAD_NORM_BASELINE_RATIO) is None, i
+        assert ratio(mon, M.ACTIVATION_ABS_MAX_RATIO) is not None  # declared not to restart
+    run.step()
+    assert ratio(mon, M.GRAD_NORM_BASELINE_RATIO) == pytest.approx(expected(run.norms[jump:], 16), rel=1e-5)
+    assert ratio(mon, M.UPDATE_RATIO_BASELINE_RATIO) == pytest.approx(expected(run.updates[jump:], 16), rel=1e-4)
+
+
+def test_the_baseline_gauges_count_in_the_series_budget():
+    for stat, spec in ((S.GRAD, M.GRAD_NORM_BASELINE_RATIO), (S.UPDATE_RATIO, M.UPDATE_RATIO_BASELINE_RATIO)):
+        assert spec in [g.spec for g in stat.gauges]
+        assert stat.series_per_layer == len(stat.gauges) + (2 if stat.counter else 0)
+
+
+@pytest.mark.parametrize("option", ["norm_baseline", "update_baseline"])
+def test_a_baseline_shorter_than_the_values_a_ratio_needs_is_refused(attach, option):
+    with pytest.raises(ValueError, match=option):
+        attach(nn.Linear(2, 2), **{option: S.MIN_BASELINE - 1})
