@@ -14,6 +14,7 @@ becoming a second, never a hand-copied second rule file.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -401,12 +402,14 @@ def grafana_alerting(th: Thresholds = Thresholds(), t: Timing = PRODUCTION) -> D
     """The same alerts for teams that alert from Grafana: each rule queries the same PromQL.
 
     Recording rules are inlined (Grafana evaluates plain PromQL against the datasource,
-    which may not have gradmon's recording rules loaded)."""
+    which may not have gradmon's recording rules loaded); one read over a range becomes a
+    subquery, since ``(expr)[30m]`` is no valid PromQL."""
     inline = {r["record"]: f"({r['expr']})" for r in recording_rules(th, t)}
     rules = []
     for a in alerts(th, t):
         expr = a.expr
         for name in sorted(inline, key=len, reverse=True):
+            expr = re.sub(re.escape(name) + r"\[([^\]:]+)\]", lambda m: f"{inline[name]}[{m.group(1)}:]", expr)
             expr = expr.replace(name, inline[name])
         rules.append({
             "uid": "gradmon-" + a.name[len("Gradmon"):].lower(),

@@ -279,6 +279,17 @@ def test_promtool_accepts_the_rule_files():
     assert spec == yaml.safe_load(RULES.read_text())
 
 
+def test_promtool_parses_every_grafana_managed_alert_query(tmp_path):
+    """Grafana sends each rule's query to Prometheus as it is: promtool must parse it (an
+    inlined recording rule read over a range has to be a subquery)."""
+    graf = yaml.safe_load((ROOT / "deploy/grafana/provisioning/alerting/gradmon.yml").read_text())
+    rules = [{"alert": r["title"], "expr": r["data"][0]["model"]["expr"]} for r in graf["groups"][0]["rules"]]
+    path = tmp_path / "grafana-queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "grafana", "rules": rules}]}))
+    r = subprocess.run([binary("promtool"), "check", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_every_alert_has_a_firing_and_a_silent_unit_test():
     names = {a.name for a in alerting.alerts(alerting.Thresholds(), alerting.PRODUCTION)}
     firing = {t["alertname"] for _, tests in CASES.values() for t in tests if t["exp_alerts"]}
