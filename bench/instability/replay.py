@@ -36,13 +36,13 @@ from gradmon import alerting
 from gradmon import metrics as M
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scenario import divergence_point  # noqa: E402
+from scenario import divergence_point, trailing_mean  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "instability"
 STEP_SECONDS = 10.0  # 6 steps per minute
 SCRAPE_SECONDS = 15  # scrape_interval and evaluation_interval of deploy/prometheus/*.yml
 LEAD_STEPS = 20  # a warning must come at least this many steps before the divergence point
-AFTER_DIVERGENCE = 100  # steps replayed past a divergence point: the criteria end at it; promtool's time does not
+AFTER_DIVERGENCE = 100  # steps an unstable run is replayed past its divergence points: the criteria end there
 SENTINEL = 424242
 TARGET = {"job": "instability", "instance": "trainer:9400"}
 
@@ -60,8 +60,9 @@ class Result:
     name: str
     unstable: bool
     steps: int
-    replayed: int  # steps replayed: all, or up to AFTER_DIVERGENCE past the divergence point
+    replayed: int  # steps replayed: all, or, unstable, up to AFTER_DIVERGENCE past the later divergence point
     divergence: Optional[int]
+    smoothed_divergence: Optional[int]  # of the 20-step trailing mean: shown, not judged
     fired: List[Fired] = field(default_factory=list)
     first_nonfinite_step: Optional[int] = None
 
@@ -134,6 +135,12 @@ def read_by(rules: dict) -> Callable[[str], bool]:
     return lambda name: re.search(rf"\b{re.escape(name)}\b", exprs) is not None
 
 
+def values_of(rec: dict, spec: M.MetricSpec) -> Optional[Tuple[str, List[Optional[float]]]]:
+    """The recorded series of a label-less family (one model on one rank): its key and values."""
+    name = M.exposed_names(spec)[0]
+    return next(((k, v) for k, v in rec["series"].items() if k.startswith(name + "{")), None)
+
+
 def input_series(rec: dict, steps: int, wanted: Callable[[str], bool] = lambda name: True) -> List[dict]:
     """What Prometheus would have scraped of the first ``steps`` steps: recorded index n (0 =
     after attach, n = after step n) at each scrape, plus the last step's timestamp from the
@@ -141,7 +148,7 @@ def input_series(rec: dict, steps: int, wanted: Callable[[str], bool] = lambda n
     seen = [min(step_seen_at(k * SCRAPE_SECONDS), steps) for k in range(scrape_count(steps))]
     out = [{"series": _with_target(key), "values": " ".join(_value(vals[n]) for n in seen)}
            for key, vals in rec["series"].items() if wanted(key.split("{", 1)[0])]
-    steps_key = next(k for k in rec["series"] if k.startswith(M.exposed_names(M.STEPS)[0] + "{"))
+    steps_key = values_of(rec, M.STEPS)[0]
     stamp = M.LAST_STEP_TIMESTAMP.name + steps_key[steps_key.index("{"):]
     out.append({"series": _with_target(stamp),
                 "values": " ".join(_value(n * STEP_SECONDS if n else None) for n in seen)})
@@ -200,13 +207,15 @@ def evaluate(path: Path, binary: str, rules: Optional[dict] = None) -> Result:
     rec = load(path)
     rules = rules if rules is not None else alerting.rule_groups(alerting.Thresholds(), alerting.PRODUCTION,
                                                                   annotations=False)
-    nonfinite = rec["series"].get(next((k for k in rec["series"]
-                                        if k.startswith(M.exposed_names(M.NONFINITE_STEPS)[0] + "{")), ""), [])
-    first_nan = next((n for n, v in enumerate(nonfinite) if v), None)
     steps = len(rec["losses"])
+    nonfinite = values_of(rec, M.NONFINITE_STEPS)
+    first_nan = next((n for n, v in enumerate(nonfinite[1]) if v), None) if nonfinite else None
+    unstable = rec["run"]["warmup"] == 0
     diverged = divergence_point(rec["losses"])
-    replayed = steps if diverged is None else min(steps, diverged + AFTER_DIVERGENCE)
-    return Result(rec["run"]["name"], rec["run"]["warmup"] == 0, steps, replayed, diverged,
+    smoothed = divergence_point(trailing_mean(rec["losses"]))
+    known = [d for d in (diverged, smoothed) if d is not None]
+    replayed = min(steps, max(known) + AFTER_DIVERGENCE) if unstable and known else steps
+    return Result(rec["run"]["name"], unstable, steps, replayed, diverged, smoothed,
                   fired_alerts(rec, replayed, binary, rules),
                   first_nan if first_nan is not None and first_nan <= replayed else None)
 
@@ -241,11 +250,12 @@ def table(results: Sequence[Result]) -> str:
     def names(severity: str, r: Result) -> str:
         return ", ".join(f"{f.alertname[len('Gradmon'):]} x{f.onsets}" for f in r.fired if f.severity == severity) or "-"
 
-    rows = ["| run | steps replayed | divergence point | first warning (step) | first page (step) | "
+    rows = ["| run | steps replayed | divergence point | same, 20-step mean loss | first warning (step) | first page (step) | "
             "warnings / 1,000 steps | warnings | pages |",
-            "|---|---:|---:|---:|---:|---:|---|---|"]
+            "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
-        rows.append(f"| {r.name} | {r.replayed} of {r.steps} | {cell(r.divergence)} | {cell(r.first('warning'))} | "
+        rows.append(f"| {r.name} | {r.replayed} of {r.steps} | {cell(r.divergence)} | {cell(r.smoothed_divergence)} | "
+                    f"{cell(r.first('warning'))} | "
                     f"{cell(r.first('critical'))} | {r.warns_per_1000:.2f} | {names('warning', r)} | "
                     f"{names('critical', r)} |")
     rows.append("")

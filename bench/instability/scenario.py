@@ -147,6 +147,12 @@ def divergence_point(losses: list, factor: float = 2.0, hold: int = 20) -> Optio
     return None
 
 
+def trailing_mean(losses: list, n: int = 20) -> list:
+    """Each step's mean over its last ``n`` steps (fewer at the start): the divergence point of
+    this curve is where the loss as a whole left its minimum, not where one batch's noise did."""
+    return [sum(losses[max(0, i - n + 1):i + 1]) / (i + 1 - max(0, i - n + 1)) for i in range(len(losses))]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--lr", type=float, default=3e-2)
