@@ -16,6 +16,7 @@ import argparse
 import gzip
 import json
 import math
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -53,7 +54,8 @@ def samples(registry: CollectorRegistry) -> Dict[str, float]:
 
 
 def compact(v: float) -> float:
-    return v if not math.isfinite(v) else float(f"{v:.4g}")
+    """4 significant digits, but counts stay exact."""
+    return v if not math.isfinite(v) or v == int(v) else float(f"{v:.4g}")
 
 
 def record(setup: scenario.Setup, run: scenario.Run) -> dict:
@@ -87,9 +89,15 @@ def main() -> None:
     torch.set_num_threads(1)
     setup = scenario.Setup() if a.steps is None else scenario.Setup(steps=a.steps)
     a.out.mkdir(parents=True, exist_ok=True)
-    for run in scenario.runs():
-        if a.only and run.name not in a.only:
-            continue
+    chosen = [run for run in scenario.runs() if not a.only or run.name in a.only]
+    if len(chosen) > 1:
+        # a fresh process per run, as in a real job: gradmon's counters (steps_total above all,
+        # which the warm-up rules read) continue across attaches of one model name in one process
+        for run in chosen:
+            cmd = [sys.executable, __file__, "--only", run.name, "--out", str(a.out)]
+            subprocess.run(cmd + (["--steps", str(a.steps)] if a.steps else []), check=True)
+        return
+    for run in chosen:
         t0 = time.process_time()
         rec = record(setup, run)
         path = a.out / f"{run.name}.json.gz"
