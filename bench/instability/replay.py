@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-import yaml
-
 from gradmon import alerting
 from gradmon import metrics as M
 
@@ -184,16 +182,26 @@ def promtool() -> Optional[str]:
     return shutil.which("promtool")
 
 
+def one_group(rules: dict) -> dict:
+    """The rules in one group, in their order. promtool evaluates groups in no fixed order, so an
+    alert reading a recording rule of another group sees this evaluation's value or the last
+    one's at random (a real Prometheus, too, lags by up to one interval). One group makes the
+    replay deterministic: it measures the no-lag case."""
+    groups = rules["groups"]
+    return {"groups": [{"name": "gradmon.replay", "rules": [r for g in groups for r in g["rules"]]}]}
+
+
 def fired_alerts(rec: dict, steps: int, binary: str, rules: dict) -> List[Fired]:
     end_s = (scrape_count(steps) - 1) * SCRAPE_SECONDS
     queries = _queries(end_s)
     with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "rules.yml").write_text(yaml.safe_dump(rules))
-        (Path(d) / "replay.yml").write_text(yaml.safe_dump({
+        # JSON is YAML to promtool, and 200 times faster to write than PyYAML's emitter
+        (Path(d) / "rules.yml").write_text(json.dumps(rules))
+        (Path(d) / "replay.yml").write_text(json.dumps({
             "rule_files": ["rules.yml"], "evaluation_interval": f"{SCRAPE_SECONDS}s",
             "tests": [{"interval": f"{SCRAPE_SECONDS}s", "input_series": input_series(rec, steps, read_by(rules)),
                        "promql_expr_test": [{"expr": q, "eval_time": f"{end_s}s", "exp_samples": []}
-                                            for q in queries]}]}, width=1 << 30))
+                                            for q in queries]}]}))
         r = subprocess.run([binary, "test", "rules", "replay.yml"], cwd=d, capture_output=True, text=True)
     got = _parse_got(r.stdout + r.stderr, queries)
     if got[-1] != [({}, float(SENTINEL))]:
@@ -205,8 +213,8 @@ def fired_alerts(rec: dict, steps: int, binary: str, rules: dict) -> List[Fired]
 
 def evaluate(path: Path, binary: str, rules: Optional[dict] = None) -> Result:
     rec = load(path)
-    rules = rules if rules is not None else alerting.rule_groups(alerting.Thresholds(), alerting.PRODUCTION,
-                                                                  annotations=False)
+    rules = one_group(rules if rules is not None else
+                      alerting.rule_groups(alerting.Thresholds(), alerting.PRODUCTION, annotations=False))
     steps = len(rec["losses"])
     nonfinite = values_of(rec, M.NONFINITE_STEPS)
     first_nan = next((n for n, v in enumerate(nonfinite[1]) if v), None) if nonfinite else None
