@@ -68,14 +68,18 @@ def _check_ratio_each_step(attach, make, steps: int = 3) -> None:
     shrink = 0.1 if isinstance(opt, torch.optim.Adam) else 1.0
     for step in range(steps):
         _backward(model, step, shrink ** step)
-        before = {layer: [p.detach().clone() for p in _params(model, layer)] for layer in LAYERS}
-        opt.step()
-        opt.zero_grad()
-        s = fresh(mon)
-        for layer in LAYERS:
-            expected = _applied_ratio(before[layer], _params(model, layer))
-            got = value(s, "gradmon_update_to_weight_ratio", layer=layer)
-            assert got == pytest.approx(expected, rel=1e-4), (step, layer)
+        _step_and_check_ratios(model, opt, mon, step)
+
+
+def _step_and_check_ratios(model, opt, mon, step: int) -> None:
+    """One optimizer step; each layer's exported ratio is the update it really applied."""
+    before = {layer: [p.detach().clone() for p in _params(model, layer)] for layer in LAYERS}
+    opt.step()
+    opt.zero_grad()
+    s = fresh(mon)
+    for layer in LAYERS:
+        expected = _applied_ratio(before[layer], _params(model, layer))
+        assert value(s, "gradmon_update_to_weight_ratio", layer=layer) == pytest.approx(expected, rel=1e-4), (step, layer)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -265,10 +269,4 @@ def test_channels_last_weights_and_their_state_are_read_element_for_element(atta
     mon = attach(model, optimizer_every=1)
     for step in range(2):
         model(torch.randn(2, 3, 7, 7).to(memory_format=torch.channels_last)).square().mean().backward()
-        before = {layer: [p.detach().clone() for p in _params(model, layer)] for layer in LAYERS}
-        opt.step()
-        opt.zero_grad()
-        s = fresh(mon)
-        for layer in LAYERS:
-            expected = _applied_ratio(before[layer], _params(model, layer))
-            assert value(s, "gradmon_update_to_weight_ratio", layer=layer) == pytest.approx(expected, rel=1e-4)
+        _step_and_check_ratios(model, opt, mon, step)

@@ -13,9 +13,15 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Tuple
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from transformer import Block  # noqa: E402  (bench/transformer.py, shared with bench_overhead.py)
 
 
 @dataclass(frozen=True)
@@ -50,25 +56,6 @@ def runs() -> Tuple[Run, ...]:
     for lr, tag in ((1e-3, "1e-3"), (3e-4, "3e-4")):
         out += [Run(f"healthy-lr{tag}-s{s}", s, lr, 100) for s in range(5)]
     return tuple(out)
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.ln2 = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, 4 * width)
-        self.fc2 = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # no QK-layernorm, on purpose
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class CopyModel(nn.Module):
