@@ -184,6 +184,8 @@ class Recorder:
         self._at: Dict[str, Tuple[Statistic, ...]] = {
             at: tuple(st for st in self.statistics if st.at == at)
             for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER, S.OPTIMIZER)}
+        # a record at OUTPUT that flags a layer's non-finite values (the activation statistic)
+        self._output_has_extremes = any(st.origin == S.LAYER_FINITE.origin for st in self._at[S.OUTPUT])
         self.errors = errors
         self.publish = publish
         self._slots: List[Tuple[weakref.ref, str]] = []
@@ -352,7 +354,9 @@ class Recorder:
         t0 = perf_counter()
         try:
             if self._training_forward(module):
-                self._record_forward(S.LAYER, layer, output)
+                # on a detail step the activation record already holds the same extremes
+                if not (self.detail_now and self._output_has_extremes):
+                    self._record_forward(S.LAYER, layer, output)
                 if self.detail_now:
                     self._record_forward(S.OUTPUT, layer, output, grad_flow=bool(self._at[S.OUTPUT_GRAD]))
         except Exception as exc:

@@ -84,11 +84,12 @@ def test_a_nan_made_inside_a_middle_block_names_it_and_five_poisoned_steps_keep_
     assert "started at step 6 in 2" in caplog.text
 
 
-@pytest.mark.parametrize("per_layer", [True, False])
-def test_origin_per_layer_names_the_layer_on_a_non_detail_step(attach, per_layer):
+@pytest.mark.parametrize("per_layer, detail_every", [(True, 10), (False, 10), (True, 1)])
+def test_origin_per_layer_names_the_layer_on_a_non_detail_step(attach, per_layer, detail_every):
     model = blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = attach(model, origin_per_layer=per_layer)  # detail_every=10: step 4 is no detail step
+    # detail_every=10: step 4 is no detail step; 1: the activation record stands in for the per-layer one
+    mon = attach(model, origin_per_layer=per_layer, detail_every=detail_every)
 
     def before(step):
         model[2].broken = step == 3
@@ -96,7 +97,7 @@ def test_origin_per_layer_names_the_layer_on_a_non_detail_step(attach, per_layer
     train(model, opt, 5, before=before)
     found = origins(fresh(mon))
     assert found["block"] == ("2", 4), found
-    if per_layer:
+    if per_layer or detail_every == 1:
         assert found["activation"] == ("2.fc2", 4)  # fc1's output was finite; the log came after it
     else:
         assert "activation" not in found
