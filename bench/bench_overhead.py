@@ -1,16 +1,27 @@
 """gradmon's overhead on a GPT-style training step, as ratios to the unmonitored step.
 
-    python bench/bench_overhead.py            # the README figures (10 rounds)
+    python bench/bench_overhead.py            # the README figures (20 rounds)
     python bench/bench_overhead.py --quick    # a smoke run
 
 Reference model (issue 2): 6 blocks, width 256, 4 heads, sequence 128, batch 8, vocab
-2048, AdamW, clip_grad_norm_(1.0). Variants run interleaved in one process, each segment
-of a variant between two baseline segments (the order rotating each round, the first
-steps of each segment discarded); a round's ratio is the variant's median step time over
-the mean of the two baselines around it. Printed: the median of the rounds' ratios and the
-upper bound of the 95 % confidence interval of their mean (Student t; the baseline's row
-shows the spread of one baseline segment against the one before it). Peak memory is each variant's peak resident set during training
-steps in a fresh subprocess: what a user's process would see, allocator caching included.
+2048, AdamW, clip_grad_norm_(1.0), torch on 2 CPU threads.
+
+Design: one identical copy of the model per variant plus one unmonitored copy (the
+baseline), all in one process, stepped in turn one step each, the order rotating every
+step; so a slow second of the machine (this one drifts by +-10 % within a minute) hits
+every variant alike, and each variant's ratio is taken against baseline steps run
+interleaved with its own. A round is ``--steps`` steps of every copy, as long as the
+sampling cadence (``detail_every``, ``optimizer_every``: 10 at the defaults) so that
+every round holds exactly one sampled step; the round's ratio is the variant's mean step
+time over the baseline's. gradmon's publisher thread folds a step while the next copy
+trains: the timer of a monitored step stops only after ``flush()``, so that work is
+charged to the step that caused it (an upper bound: in a real job it overlaps the next
+step). Printed: the median of the rounds' ratios and the upper bound of the 95 %
+confidence interval of their mean (Student t); ``unmonitored_twin`` is a second
+unmonitored copy, so its row is the noise of the method. Host time is gradmon's own
+clock (time spent in its hooks) per timed step. Peak memory is each variant's peak
+resident set during training steps in a fresh subprocess: what a user's process would
+see, allocator caching included.
 """
 
 from __future__ import annotations
@@ -50,12 +61,12 @@ class GPT(nn.Module):
 
 # -- variants: each returns a teardown ---------------------------------------------------------
 
-def v_baseline(model, state) -> Callable[[], None]:
+def v_baseline(model, opt, state) -> Callable[[], None]:
     return lambda: None
 
 
 def _gradmon(**options) -> Callable:
-    def setup(model, state):
+    def setup(model, opt, state):
         import gradmon
         from prometheus_client import CollectorRegistry
         mon = gradmon.attach(model, registry=CollectorRegistry(), final_scrape_timeout=0, **options)
@@ -63,28 +74,26 @@ def _gradmon(**options) -> Callable:
 
         def teardown():
             mon.flush(10)
-            # this monitor's own figures: the exported counters continue across attaches
+            # this monitor's own clock: the exported counters continue across attaches
             # of the same model name, so steps_total counts every earlier segment too
             state["overhead_s"] = mon._recorder.overhead if mon._recorder else 0.0
-            state["steps"] = mon._recorder.steps if mon._recorder else 0
             mon.detach()
         return teardown
     return setup
 
 
-def v_floor(model, state) -> Callable[[], None]:
+def v_floor(model, opt, state) -> Callable[[], None]:
     """The unavoidable read of every gradient: one _foreach_norm per step, results kept on device."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
     params = [p for p in model.parameters() if p.requires_grad]
     kept: List[torch.Tensor] = []
 
     def hook(opt, args, kwargs):
         kept[:] = torch._foreach_norm([p.grad for p in params if p.grad is not None])
-    handle = register_optimizer_step_pre_hook(hook)
+    handle = opt.register_step_pre_hook(hook)
     return handle.remove
 
 
-def v_tutorial(model, state) -> Callable[[], None]:
+def v_tutorial(model, opt, state) -> Callable[[], None]:
     """What tutorials show: a Python hook per parameter calling .norm().item()."""
     log: Dict[str, float] = {}
     handles = [p.register_hook(lambda g, n=n: log.__setitem__(n, g.norm().item()))
@@ -94,6 +103,7 @@ def v_tutorial(model, state) -> Callable[[], None]:
 
 VARIANTS = {
     "baseline": v_baseline,
+    "unmonitored_twin": v_baseline,
     "gradmon_defaults": _gradmon(),
     # every family on every step, the optimizer statistics (issue 10) included
     "gradmon_all_every_step": _gradmon(detail_every=1, optimizer_every=1),
@@ -116,52 +126,51 @@ def make_training(seed: int = 0, batch: int = 8, seq: int = 128, vocab: int = 20
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return model, step
+    return model, opt, step
 
 
 def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict[str, Dict[str, float]]:
-    model, step = make_training()
-    for _ in range(3):
-        step()  # allocator and kernels warm
+    copies = {name: make_training() for name in names}  # the same seed: identical copies
+    for _, _, step in copies.values():
+        for _ in range(3):
+            step()  # allocator and kernels warm
+    states: Dict[str, dict] = {name: {} for name in names}
+    teardowns = {name: VARIANTS[name](model, opt, states[name]) for name, (model, opt, _) in copies.items()}
+    recorders = {name: getattr(st.get("monitor"), "_recorder", None) for name, st in states.items()}
+
+    def timed(name: str) -> float:
+        monitor = states[name].get("monitor")
+        t0 = time.perf_counter()
+        copies[name][2]()
+        if monitor is not None:
+            monitor.flush(10)
+        return time.perf_counter() - t0
+
+    for _ in range(discard):  # a fresh attach starts on a sampled step: not a round's
+        for name in names:
+            timed(name)
+    host0 = {name: r.overhead for name, r in recorders.items() if r is not None}
     times: Dict[str, List[float]] = {n: [] for n in names}
     ratios: Dict[str, List[float]] = {n: [] for n in names}
-    host_us: Dict[str, List[float]] = {n: [] for n in names}
-
-    def segment(name: str) -> float:
-        state: dict = {}
-        teardown = VARIANTS[name](model, state)
-        seg = []
-        for i in range(steps + discard):
-            t0 = time.perf_counter()
-            step()
-            if i >= discard:
-                seg.append(time.perf_counter() - t0)
+    k = 0
+    for _ in range(rounds):
+        sums = dict.fromkeys(names, 0.0)
+        for _ in range(steps):
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                dt = timed(name)
+                sums[name] += dt
+                times[name].append(dt)
+            k += 1
+        for name in names:
+            ratios[name].append(sums[name] / sums["baseline"])
+    for name, teardown in teardowns.items():
         teardown()
-        times[name] += seg
-        if "overhead_s" in state and state.get("steps"):
-            host_us[name].append(state["overhead_s"] / state["steps"] * 1e6)
-        return statistics.median(seg)
-
-    others = [n for n in names if n != "baseline"]
-    for r in range(rounds):
-        # a baseline segment between every two variant segments: each variant's ratio is
-        # against the mean of the baselines right before and after it, so a slow minute of
-        # the machine (or a drift) hits both sides of the ratio
-        before = segment("baseline")
-        for name in others[r % len(others):] + others[:r % len(others)]:
-            v = segment(name)
-            after = segment("baseline")
-            ratios[name].append(v / ((before + after) / 2))
-            ratios["baseline"].append(after / before)
-            before = after
-    base = statistics.median(times["baseline"])
     out = {}
     for name in names:
-        med = statistics.median(times[name])
-        # the rounds' ratios are the samples: the bound is on their mean
-        out[name] = {"median_step_ms": med * 1e3, "ratio": statistics.median(ratios[name]) if name != "baseline" else 1.0,
-                     "ratio_ci95_high": ci95_high(ratios[name]),
-                     "host_us_per_step": statistics.median(host_us[name]) if host_us[name] else math.nan}
+        r = recorders[name]
+        out[name] = {"mean_step_ms": statistics.fmean(times[name]) * 1e3, "ratio": statistics.median(ratios[name]),
+                     "ratio_ci95_high": ci95_high(ratios[name]) if name != "baseline" else math.nan,
+                     "host_us_per_step": (r.overhead - host0[name]) / (rounds * steps) * 1e6 if r else math.nan}
     return out
 
 
@@ -186,12 +195,12 @@ def _peak_during_steps(name: str, steps: int) -> float:
     (``/proc/self/clear_refs``), so the peak is that of the training steps, not of
     importing torch.
     """
-    model, step = make_training()
+    model, opt, step = make_training()
     step()
     step()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    teardown = VARIANTS[name](model, {})
+    teardown = VARIANTS[name](model, opt, {})
     for _ in range(steps):
         step()
     teardown()
@@ -208,25 +217,42 @@ def peak_rss_mb(name: str, steps: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _option(text: str):
+    key, _, value = text.partition("=")
+    return key, json.loads(value) if value not in ("True", "False") else value == "True"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per segment")
-    p.add_argument("--discard", type=int, default=1, help="untimed steps at the start of each segment")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10,
+                   help="timed steps per segment: a multiple of the sampling cadence (10 at the defaults)")
+    p.add_argument("--discard", type=int, default=1, help="untimed steps of every copy after attaching")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=10)
+    p.add_argument("--variants", nargs="+", choices=[n for n in VARIANTS if n != "baseline"],
+                   help="measure only these (with the baseline); default: all")
+    p.add_argument("--options", nargs="+", metavar="KEY=VALUE", default=[],
+                   help="also measure gradmon attached with these options (variant gradmon_options), "
+                        "e.g. --options detail_every=50 optimizer_every=0")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--quick", action="store_true", help="tiny run for a smoke test; figures meaningless")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.discard, args.memory_steps = 1, 2, 1, 2
     torch.set_num_threads(args.threads)
-    names = list(VARIANTS)
+    names = ["baseline"] + (args.variants or [n for n in VARIANTS if n != "baseline"])
+    if args.options:
+        VARIANTS["gradmon_options"] = _gradmon(**dict(_option(kv) for kv in args.options))
+        names.append("gradmon_options")
     print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds x {args.steps} steps "
-          f"per variant, interleaved", flush=True)
+          f"of every copy, interleaved step by step", flush=True)
     res = interleaved(names, args.rounds, args.steps, args.discard)
     for name in names:
-        res[name]["peak_rss_mb"] = peak_rss_mb(name, args.memory_steps)
+        # a fresh process knows only the named variants
+        skip = args.no_memory or name == "gradmon_options"
+        res[name]["peak_rss_mb"] = math.nan if skip else peak_rss_mb(name, args.memory_steps)
     base_rss = res["baseline"]["peak_rss_mb"]
     print(f"{'variant':26s} {'step ms':>9s} {'ratio':>7s} {'ci95 hi':>8s} {'target':>7s} {'host us/step':>13s} "
           f"{'peak RSS MB':>12s} {'mem ratio':>9s}")
@@ -235,7 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         r["mem_ratio"] = r["peak_rss_mb"] / base_rss
         target = f"<={TARGETS[name]:.2f}" if name in TARGETS else ""
         host = f"{r['host_us_per_step']:.0f}" if not math.isnan(r["host_us_per_step"]) else "-"
-        print(f"{name:26s} {r['median_step_ms']:9.1f} {r['ratio']:7.3f} {r['ratio_ci95_high']:8.3f} {target:>7s} {host:>13s} "
+        print(f"{name:26s} {r['mean_step_ms']:9.1f} {r['ratio']:7.3f} {r['ratio_ci95_high']:8.3f} {target:>7s} {host:>13s} "
               f"{r['peak_rss_mb']:12.1f} {r['mem_ratio']:9.3f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -178,6 +178,10 @@ def _update_sums(a: List[torch.Tensor], w: List[torch.Tensor], lr: Any, c: Any, 
 
 
 def _squares(t: List[torch.Tensor]) -> torch.Tensor:
+    """Σx² of each (flat) piece: on the CPU a dot product, which BLAS runs about twice as
+    fast as the norm kernel; elsewhere one multi-tensor norm launch for the batch."""
+    if t[0].device.type == "cpu":
+        return torch.stack([torch.dot(x, x) for x in t]).double()
     return torch.stack(torch._foreach_norm(t)).double().square()
 
 

@@ -606,10 +606,28 @@ class Publisher:
         self._errors = errors
         self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"gradmon-publisher-{name}", daemon=True)
-        # The newest snapshot: immutable and replaced whole, so the exporter reads it from
-        # any thread. Built before the thread starts: every counter exists at 0 from attach().
-        self.latest: Snapshot = aggregator.snapshot()
+        # Folding and building a snapshot both read the aggregator; reentrant, because an
+        # on_nonfinite callback runs inside a fold and may ask for a snapshot.
+        self._lock = threading.RLock()
+        self._stale = False
+        # Built before the thread starts: every counter exists at 0 from attach().
+        self._latest: Snapshot = aggregator.snapshot()
         self._thread.start()
+
+    @property
+    def latest(self) -> Snapshot:
+        """The newest snapshot: immutable, so any thread may keep it. Built when read
+        after new steps were folded, not at every step: a scrape every 15 s builds one
+        where a step every 100 ms would build 150, each taking the training thread's
+        interpreter lock and CPU."""
+        with self._lock:
+            if self._stale:
+                try:
+                    self._latest = self._agg.snapshot()
+                except Exception as exc:  # pragma: no cover - snapshot building is plain Python
+                    self._errors.record("publish", exc)
+                self._stale = False
+            return self._latest
 
     def put(self, item: object) -> None:
         self._queue.put(item)
@@ -644,17 +662,15 @@ class Publisher:
                 pass
             stop = False
             flushes = []
-            for item in batch:
-                if item is _STOP:
-                    stop = True
-                elif isinstance(item, _Flush):
-                    flushes.append(item)
-                else:
-                    self._fold(item)
-            try:
-                self.latest = self._agg.snapshot()
-            except Exception as exc:  # pragma: no cover - snapshot building is plain Python
-                self._errors.record("publish", exc)
+            with self._lock:
+                for item in batch:
+                    if item is _STOP:
+                        stop = True
+                    elif isinstance(item, _Flush):
+                        flushes.append(item)
+                    else:
+                        self._fold(item)
+                        self._stale = True
             for token in flushes:
                 token.done.set()
             if stop:

@@ -11,6 +11,7 @@ Values are shipped as float64 so that element counts stay exact far beyond float
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -86,19 +87,48 @@ def extremes_and_nonzero(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(torch.aminmax(g)), torch.count_nonzero(g).reshape(1)
 
 
-def moments_record(x: torch.Tensor) -> Tuple[torch.Tensor]:
+MOMENTS_SAMPLE = 2 ** 14
+"""Most elements of one output that :func:`moments_record` reads. The kurtosis of 16,384
+elements has a standard error near 0.04 for a Gaussian (3 ± 0.04), far below what an
+outlier feature does to it (tens to thousands), and an output of any size then costs
+about what activation_record costs on 260K elements (seven passes over the sample, the
+rest fixed cost per call)."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _sample_stride(shape: Sequence[int], numel: int, limit: int) -> int:
+    """The step of a systematic sample of at most ``limit`` elements of a contiguous
+    tensor of ``shape``: a prime that divides no dimension, so that the sample visits every
+    index of every dimension (every feature, channel and position) in equal measure
+    rather than one column over and over."""
+    step = max(1, -(-numel // limit))
+    while step > 1 and (not _is_prime(step) or any(d % step == 0 for d in shape)):
+        step += 1
+    return step
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % k for k in range(2, int(n ** 0.5) + 1))
+
+
+def moments_record(x: torch.Tensor, limit: int = MOMENTS_SAMPLE) -> Tuple[torch.Tensor]:
     """One record of the MOMENTS columns: [mean, scale, m1, m2, m3, m4] with
     m_k = sum(z**k), z = (x - mean) / scale, in float32 (float64 for float64 inputs).
 
+    Outputs above ``limit`` elements are read through a systematic sample (every
+    ``_sample_stride``-th element) and the sums are scaled up to the output's size, so
+    that outputs of different sizes and calls still fold in proportion to their sizes.
     Centred, because raw power sums cancel catastrophically (activations near 1e4 with a
     spread of 0.1 lose every digit even in float64), and float64 is slow on consumer
     GPUs and absent on MPS; scaled to unit RMS, because the fourth power of a blown-up
     activation overflows float32 long before the activation itself does. The float32
-    mean's rounding is left in m1 for the host to correct. One full-size temporary for
-    the centred values, one for their squares; the rest are reductions. Seven passes over
-    the output where activation_record makes two (about 3x its time on CPU): the reason
-    it has a switch of its own and runs on detail steps only."""
+    mean's rounding is left in m1 for the host to correct. Seven passes over the sample:
+    without it, about 3x the time of activation_record on the whole output."""
     flat = x.detach().reshape(-1)
+    numel = flat.numel()
+    stride = _sample_stride(x.shape, numel, limit)
+    if stride > 1:
+        flat = flat[::stride]
     mean = flat.mean(0, keepdim=True, dtype=_norm_dtype(flat) or flat.dtype)
     z = flat - mean  # shape (1,) takes part in type promotion: fp16/bf16 become float32
     norm = torch.linalg.vector_norm(z, keepdim=True)
@@ -106,8 +136,10 @@ def moments_record(x: torch.Tensor) -> Tuple[torch.Tensor]:
     z.div_(scale)
     z2 = z * z
     m2 = norm.div(scale).square_()  # sum(z**2) without another pass over z2
-    return torch.cat((mean, scale, z.sum(0, keepdim=True), m2,
-                      torch.dot(z2, z).reshape(1), torch.dot(z2, z2).reshape(1))),
+    sums = torch.cat((z.sum(0, keepdim=True), m2, torch.dot(z2, z).reshape(1), torch.dot(z2, z2).reshape(1)))
+    if stride > 1:
+        sums = sums * (numel / z.numel())
+    return torch.cat((mean, scale, sums)),
 
 
 def gradient_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

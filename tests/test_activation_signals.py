@@ -71,6 +71,51 @@ def test_kurtosis_of_a_layer_equals_the_float64_kurtosis_of_its_flattened_output
     assert not math.isclose(value(s, "gradmon_activation_kurtosis", layer="inner"), sum(per_call) / 2, rel_tol=1e-3)
 
 
+class Outliers(nn.Module):
+    """A large output (above the kurtosis sample) with one outlier feature: channel 7 is
+    30x the others on every token, as outlier features are in transformers."""
+
+    def __init__(self, width: int = 384) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(width))
+            self.proj.weight[7, 7] = 30.0
+            self.proj.bias.zero_()
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_kurtosis_of_a_large_output_is_estimated_from_a_sample_that_sees_every_feature(attach):
+    from gradmon import stats
+    torch.manual_seed(0)
+    model = Outliers()
+    outputs = capture_outputs({"proj": model.proj})
+    mon = attach(model, detail_every=1)
+    x = torch.randn(16, 64, 384)  # 393,216 elements per output, 24x the sample
+    assert x.numel() > 20 * stats.MOMENTS_SAMPLE
+    step(model, x)
+    mon.flush()
+    want = pearson_kurtosis(outputs["proj"])
+    got = value(scrape(mon.url), "gradmon_activation_kurtosis", layer="proj")
+    # the outlier feature lifts the kurtosis far above a Gaussian's 3; a sample that read
+    # one column over and over (a stride sharing a factor with the width) would miss it
+    assert want > 50
+    assert math.isclose(got, want, rel_tol=0.25), (got, want)
+
+
+def test_kurtosis_sample_stride_visits_every_index_of_every_dimension():
+    from gradmon import stats
+    for shape in [(16, 64, 384), (8, 128, 1024), (8, 64, 56, 56), (4, 3 * 5 * 7 * 11 * 13), (10 ** 6,)]:
+        numel = math.prod(shape)
+        k = stats._sample_stride(torch.Size(shape), numel, stats.MOMENTS_SAMPLE)
+        assert numel // k <= stats.MOMENTS_SAMPLE + 1
+        assert all(d % k for d in shape if d > 1), (shape, k)  # coprime with every size: k is prime
+        assert all(k % j for j in range(2, int(k ** 0.5) + 1))
+    assert stats._sample_stride(torch.Size((100, 100)), 10_000, stats.MOMENTS_SAMPLE) == 1  # small: every element
+
+
 def test_kurtosis_of_grouped_layers_is_the_kurtosis_of_all_their_outputs_together(attach):
     torch.manual_seed(1)
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16)), nn.Linear(16, 2))

@@ -452,3 +452,19 @@ def test_pause_and_resume_set_the_run_state(attach):
     assert value(scrape(mon.url), "gradmon_run_state", state="paused") == 1
     mon.resume()
     assert value(scrape(mon.url), "gradmon_run_state", state="training") == 1
+
+
+def test_snapshot_is_built_when_read_not_at_every_step(attach):
+    """The publisher folds every step but builds a snapshot only when one is read (a
+    scrape, ``snapshot()``): building one per step took the training thread's interpreter
+    lock for nothing between two scrapes. What a read sees is still every folded step."""
+    model = mlp()
+    mon = attach(model)
+    first = mon.snapshot()
+    train(model, steps=7)
+    mon.flush()
+    snap = mon.snapshot()
+    assert snap.steps_total == first.steps_total + 7
+    assert snap.generation == first.generation + 1  # one build for seven steps
+    assert mon.snapshot() is snap  # nothing new folded: the same snapshot
+    assert value(scrape(mon.url), "gradmon_steps_total") == snap.steps_total
