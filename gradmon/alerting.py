@@ -320,6 +320,14 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
     post = f"on({TARGET}) {_past_warmup(th)}"
     lr = M.LEARNING_RATE.name
     return [
+        # No warm-up exemption: a loss that climbs back above twice its best and stays
+        # there has diverged whenever it happens, and a warm-up's loss only falls.
+        Alert("GradmonLossDiverging", "critical", "The loss stays far above its best",
+              f"The loss ({where}) stayed above {th.loss_divergence:g}x its running minimum at every scrape for "
+              f"{dur(t.loss_window)} (now {{{{ $value | humanize }}}}x): the run regressed and is not recovering "
+              "by itself. Usually a loss spike or a gradient-norm alert came first.",
+              f"min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) / {M.LOSS_RUNNING_MIN.name} > {th.loss_divergence:g}\n"
+              f"and {M.LOSS_RUNNING_MIN.name} > 0", 0),
         *_spike_alerts(th, t, "LossSpike", "Loss", (M.SIGNAL_LOSS,)),
         *_spike_alerts(th, t, "GradNormSpike", "Gradient norm", (M.SIGNAL_GRAD_NORM, M.SIGNAL_LOCAL_GRAD_NORM)),
         Alert("GradmonGradNormAboveBaseline", "warning", "A layer's gradient norm far above its own baseline",
@@ -372,6 +380,8 @@ INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
                                    "GradmonUpdateRatioAboveBaseline", "GradmonAdamRmsSpike")),
     # the critical tier of a spike says everything its warning does
     ("GradmonLossSpikeSevere", ("GradmonLossSpike",)),
+    # a diverged loss is the page; its spikes are how it got there
+    ("GradmonLossDiverging", ("GradmonLossSpike", "GradmonLossSpikeSevere")),
     ("GradmonGradNormSpikeSevere", ("GradmonGradNormSpike",)),
     # a dead exporter explains why no step is seen
     ("GradmonExporterDown", ("GradmonTrainingStalled",)),

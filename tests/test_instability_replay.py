@@ -103,9 +103,6 @@ def test_every_recording_replays_through_the_current_rules(results):
     assert all(r.steps == scenario.Setup().steps for r in results)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 part 3, open: the rules warn 20 steps ahead in 4 of 5 unstable "
-                                       "runs but page no later than the divergence point in 1 of 5; a pass "
-                                       "turns this into a failure, to be removed then")
 def test_the_rules_warn_and_page_before_divergence_and_stay_quiet_when_healthy(results):
     missed = [what for what, ok in replay.criteria(results).items() if not ok]
     assert not missed, "\n" + replay.table(results)

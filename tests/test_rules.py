@@ -198,9 +198,22 @@ CASES.update({
          alert("GradmonLossSpikeSevere", "12m"), alert("GradmonLossSpikeSevere", "40m")]),
     "no_spike_alert_for_a_noisy_loss_bumped_by_an_lr_restart_without_spike_steps": (
         # the restart's loss bump is 2.5x the running minimum, but the windows restarted with
-        # the learning rate's jump and scored no spike: the counter stays flat
+        # the learning rate's jump and scored no spike: the counter stays flat; and the bump
+        # is back under twice the minimum within 2m: not a divergence either
         [steps(), spikes("0x60"), *loss("1.1 0.9 1.2 0.8 1.0 0.95 " * 3 + "2.5 2.1 1.6 1.2 1.0x20", "0.8x60")],
-        [alert("GradmonLossSpike", "20m"), alert("GradmonLossSpikeSevere", "20m")]),
+        [alert("GradmonLossSpike", "20m"), alert("GradmonLossSpikeSevere", "20m"),
+         *(alert("GradmonLossDiverging", f"{m}m") for m in range(17, 24))]),
+    # -- divergence: the loss itself, with no spike needed and no warm-up exemption
+    "a_loss_that_stays_above_twice_its_running_minimum_pages_with_no_spike_even_in_the_warm_up": (
+        [series("gradmon_steps_total", "0+5x30", rank="0"), spikes("0x30"), *loss("1.0x5 2.5x20", "0.9x25")],
+        # 1.0 until 5m, 2.5 from 6m: every scrape of the 2m window above it from 8m on
+        [alert("GradmonLossDiverging", "7m"),
+         alert("GradmonLossDiverging", "8m", ("critical", target(rank="0"))),
+         alert("GradmonLossSpike", "8m")]),
+    "a_loss_above_twice_its_running_minimum_at_every_other_scrape_does_not_page": (
+        # small noisy batches: half the readings are above twice the lowest batch loss seen
+        [steps(), spikes("0x40"), *loss("2.5 1.0 " * 20, "0.9x40")],
+        [alert("GradmonLossDiverging", f"{m}m") for m in (5, 15, 25, 35)]),
     "a_single_grad_norm_spike_is_a_warning": (
         [steps(), spikes("0x10 1x20", "grad_norm")],
         [alert("GradmonGradNormSpike", "12m", ("warning", target(rank="0", signal="grad_norm"))),
