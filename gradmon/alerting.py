@@ -282,18 +282,33 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
     ]
 
 
-def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequence[str]) -> List[Alert]:
-    """A warning for any spike step of ``signals`` (one per step, counted in the process:
-    ``increase()`` sees a spike that no scrape did) and a critical alert for repeated ones,
-    or for one while the loss is above ``loss_divergence`` times its running minimum."""
-    where = WHERE
+def _spike_steps(th: Thresholds, signals: Sequence[str], window: float, by: str) -> str:
+    """Spike steps of ``signals`` counted in ``window`` after warm-up, summed ``by``."""
     # The counter only where the run is past warm-up, as a subquery at the rule's own
     # evaluation interval: a window reaching back into the warm-up does not count the
     # warm-up's spikes, and no recording rule is needed (Grafana inlines those).
     counted = f"{_s(M.SPIKE_STEPS)}{{signal=~\"{'|'.join(signals)}\"}} and on({TARGET}) {_past_warmup(th)}"
+    return f"sum by ({by}) (increase(({counted})[{dur(window)}:]))"
+
+
+def _max_reading(spec: M.MetricSpec, th: Thresholds, window: float, by: str) -> str:
+    """The largest reading of ``spec`` in ``window`` among those taken after warm-up: a
+    reading of the warm-up stays out even while the window still covers it."""
+    return f"max_over_time((max by ({by}) ({spec.name}) and on({TARGET}) {_past_warmup(th)})[{dur(window)}:])"
+
+
+_SPIKE_MEANING = "a value above twice its window's median and far outside its noise"
+
+
+def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequence[str],
+                  meaning: str = _SPIKE_MEANING) -> List[Alert]:
+    """A warning for any spike step of ``signals`` (one per step, counted in the process:
+    ``increase()`` sees a spike that no scrape did) and a critical alert for repeated ones,
+    or for one while the loss is above ``loss_divergence`` times its running minimum."""
+    where = WHERE
 
     def spikes(window: float) -> str:
-        return f"sum by ({TARGET}, signal) (increase(({counted})[{dur(window)}:]))"
+        return _spike_steps(th, signals, window, f"{TARGET}, signal")
 
     loss_high = (f"on({TARGET}) (min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) "
                  f"> {th.loss_divergence:g} * {M.LOSS_RUNNING_MIN.name} "
@@ -301,7 +316,7 @@ def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequ
     return [
         Alert(f"Gradmon{name}", "warning", f"{what} spike",
               f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}) in the last "
-              f"{dur(t.spike_window)}: a value above twice its window's median and far outside its noise.",
+              f"{dur(t.spike_window)}: {meaning}.",
               f"{spikes(t.spike_window)} > 0", 0),
         Alert(f"Gradmon{name}Severe", "critical", f"Repeated {what.lower()} spikes or a spike with the loss diverging",
               f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}): at least {th.spike_repeats} in "
@@ -320,16 +335,25 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
     post = f"on({TARGET}) {_past_warmup(th)}"
     lr = M.LEARNING_RATE.name
     return [
-        # No warm-up exemption: a loss that climbs back above twice its best and stays
-        # there has diverged whenever it happens, and a warm-up's loss only falls.
-        Alert("GradmonLossDiverging", "critical", "The loss stays far above its best",
+        # Two independent signals: the loss alone cannot tell a divergence from a noisy
+        # small-batch loss, whose batches often sit at 2-4x the luckiest batch seen.
+        Alert("GradmonLossDiverging", "critical", "The loss stays far above its best, after an instability warning",
               f"The loss ({where}) stayed above {th.loss_divergence:g}x its running minimum at every scrape for "
-              f"{dur(t.loss_window)} (now {{{{ $value | humanize }}}}x): the run regressed and is not recovering "
-              "by itself. Usually a loss spike or a gradient-norm alert came first.",
-              f"min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) / {M.LOSS_RUNNING_MIN.name} > {th.loss_divergence:g}\n"
-              f"and {M.LOSS_RUNNING_MIN.name} > 0", 0),
+              f"{dur(t.loss_window)} (now {{{{ $value | humanize }}}}x), within {dur(t.spike_repeat_window)} of a loss or "
+              f"gradient-norm spike (global, a rank's own, or a layer's jump to norm_jump_ratio times its "
+              f"baseline) or an Adam RMS above {th.adam_rms_spike:g}: the run regressed and is not "
+              "recovering by itself.",
+              f"(\n  min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) / {M.LOSS_RUNNING_MIN.name} > {th.loss_divergence:g}\n"
+              f"  and {M.LOSS_RUNNING_MIN.name} > 0\n)\nand on({TARGET}) (\n"
+              f"  {_spike_steps(th, M.SPIKE_SIGNALS, t.spike_repeat_window, TARGET)} > 0\n  or\n"
+              f"  {_max_reading(M.ADAM_RMS, th, t.spike_repeat_window, TARGET)} > {th.adam_rms_spike:g}\n)", 0),
         *_spike_alerts(th, t, "LossSpike", "Loss", (M.SIGNAL_LOSS,)),
         *_spike_alerts(th, t, "GradNormSpike", "Gradient norm", (M.SIGNAL_GRAD_NORM, M.SIGNAL_LOCAL_GRAD_NORM)),
+        # a layer's norm at norm_jump_ratio (10x) its own baseline, counted in the process:
+        # in unstable runs the embeddings and first blocks jump like this before the loss does
+        *_spike_alerts(th, t, "GradNormJump", "Layer gradient-norm jump", (M.SIGNAL_LAYER_GRAD_NORM,),
+                       "a layer's gradient norm at norm_jump_ratio (10 by default) times the median of its own "
+                       f"recent sampled steps or more; {M.GRAD_NORM_BASELINE_RATIO.name} shows which layer"),
         Alert("GradmonGradNormAboveBaseline", "warning", "A layer's gradient norm far above its own baseline",
               f"Gradient norm of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of its own "
               f"recent sampled steps ({where}), above {th.norm_baseline_ratio:g}x for {dur(t.norm_ratio_for)}: "
@@ -345,8 +369,8 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
         Alert("GradmonAdamRmsSpike", "warning", "Adam's second moment lags a gradient spike",
               f"Adam's RMS(g/sqrt(v)) of layer {{{{ $labels.layer }}}} reached {{{{ $value | humanize }}}} in the last "
               f"{dur(t.adam_window)} ({where}), above {th.adam_rms_spike:g} (about 1 when healthy).",
-              f"max by ({TARGET}, layer) (max_over_time({M.ADAM_RMS.name}[{dur(t.adam_window)}])) > {th.adam_rms_spike:g}\n"
-              f"and {post}",
+              # readings taken in the warm-up stay out of the window after it ends
+              f"{_max_reading(M.ADAM_RMS, th, t.adam_window, f'{TARGET}, layer')} > {th.adam_rms_spike:g}",
               0),
         Alert("GradmonFp16HeadroomLow", "warning", "A float16 tensor is near overflow",
               f"max |x| of the float16 {{{{ $labels.tensor }}}} of layer {{{{ $labels.layer }}}} is "
@@ -377,12 +401,13 @@ INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("GradmonNonFiniteGradients", ("GradmonGradientExplosion", "GradmonVanishingGradients",
                                    "GradmonRankDivergence", "GradmonActivationBlowup",
                                    "GradmonGradNormSpike", "GradmonGradNormAboveBaseline",
-                                   "GradmonUpdateRatioAboveBaseline", "GradmonAdamRmsSpike")),
+                                   "GradmonUpdateRatioAboveBaseline", "GradmonAdamRmsSpike", "GradmonGradNormJump")),
     # the critical tier of a spike says everything its warning does
     ("GradmonLossSpikeSevere", ("GradmonLossSpike",)),
     # a diverged loss is the page; its spikes are how it got there
     ("GradmonLossDiverging", ("GradmonLossSpike", "GradmonLossSpikeSevere")),
     ("GradmonGradNormSpikeSevere", ("GradmonGradNormSpike",)),
+    ("GradmonGradNormJumpSevere", ("GradmonGradNormJump",)),
     # a dead exporter explains why no step is seen
     ("GradmonExporterDown", ("GradmonTrainingStalled",)),
     # a failed rank explains the others that torchrun then kills, or that hang in a collective

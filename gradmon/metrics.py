@@ -30,11 +30,13 @@ BLOCK_OUTPUT = "output"
 NONFINITE_KINDS: Tuple[str, ...] = ("nan", "inf")
 
 #: Values of the ``signal`` label of the spike families: the observed loss, the reduced
-#: global gradient norm (rank 0 alone under DDP/FSDP), each rank's own pre-all-reduce norm.
+#: global gradient norm (rank 0 alone under DDP/FSDP), each rank's own pre-all-reduce norm,
+#: and a jump of any layer's gradient norm to norm_jump_ratio times its own baseline.
 SIGNAL_LOSS = "loss"
 SIGNAL_GRAD_NORM = "grad_norm"
 SIGNAL_LOCAL_GRAD_NORM = "local_grad_norm"
-SPIKE_SIGNALS: Tuple[str, ...] = (SIGNAL_LOSS, SIGNAL_GRAD_NORM, SIGNAL_LOCAL_GRAD_NORM)
+SIGNAL_LAYER_GRAD_NORM = "layer_grad_norm"
+SPIKE_SIGNALS: Tuple[str, ...] = (SIGNAL_LOSS, SIGNAL_GRAD_NORM, SIGNAL_LOCAL_GRAD_NORM, SIGNAL_LAYER_GRAD_NORM)
 
 #: Families (the ``family`` label of coverage metrics, and config switches).
 FAMILY_GRAD = "grad"
@@ -141,9 +143,11 @@ LOSS_RUNNING_MIN = _spec("loss_running_min", "gauge", (),
                          "Smallest finite gradmon_loss since attach, on this rank.")
 SPIKE_SCORE = _spec("spike_score", "gauge", ("signal",),
                     "Robust one-sided score of the signal at its last scored step: its distance above the detrended "
-                    "median of the last spike_window steps, in robust standard deviations (ln units).")
+                    "median of the last spike_window steps, in robust standard deviations (ln units); for "
+                    "layer_grad_norm, the largest gradmon_grad_norm_baseline_ratio of the last sampled step.")
 SPIKE_STEPS = _spec("spike_steps", "counter", ("signal",),
-                    "Steps whose signal scored above spike_threshold and was above twice its window's median; "
+                    "Steps whose signal scored above spike_threshold and was above twice its window's median "
+                    "(layer_grad_norm: a layer's norm at norm_jump_ratio times its own baseline or more); "
                     "counted in the process, so a one-step spike between two scrapes is never missed.")
 NONFINITE_STEPS = _spec("nonfinite_steps", "counter", (),
                         "Optimizer steps in which any monitored tensor held a non-finite element.")

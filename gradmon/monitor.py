@@ -280,7 +280,8 @@ class Monitor:
                                 block_names=(M.BLOCK_INPUT, *(name for name, _ in blocks), M.BLOCK_OUTPUT),
                                 spikes=SpikeTracker(S.spike_signals(statistics, self._reduced_per_layer),
                                                     cfg.spike_threshold, cfg.spike_window, cfg.spike_min_steps,
-                                                    raw_below_zero=(M.SIGNAL_LOSS,)),
+                                                    raw_below_zero=(M.SIGNAL_LOSS,),
+                                                    jumps={M.SIGNAL_LAYER_GRAD_NORM: cfg.norm_jump_ratio}),
                                 windows={g.baseline: getattr(cfg, g.baseline)
                                          for st in statistics for g in st.gauges if g.baseline})
         carried = _CARRIED.get(self._carry_key())

@@ -472,6 +472,10 @@ class Aggregator:
                 columns = f.columns(a)
                 for gauge in stat.gauges:
                     f.gauges[gauge][layer] = f.value(gauge, layer, columns)
+            for gauge in stat.gauges:
+                if gauge.jump is not None:
+                    values = [f.gauges[gauge][layer] for layer in acc]
+                    self.spikes.count_jump(gauge.jump, max((v for v in values if v is not None), default=math.nan))
         return bad
 
     def _slot(self, stat: Statistic, key: int) -> int:

@@ -119,10 +119,14 @@ class SpikeTracker:
     and when any parameter group's learning rate jumps (see :func:`lr_jumped`)."""
 
     def __init__(self, signals: Sequence[str], threshold: float = 6.0, window: int = 128,
-                 min_steps: int = 32, raw_below_zero: Iterable[str] = ()) -> None:
+                 min_steps: int = 32, raw_below_zero: Iterable[str] = (),
+                 jumps: Optional[Mapping[str, float]] = None) -> None:
+        """``jumps``: signals counted by :meth:`count_jump` against their threshold, not scored."""
         raw = frozenset(raw_below_zero)
+        self.jumps: Dict[str, float] = {s: x for s, x in (jumps or {}).items() if s in signals}
         self.detectors: Dict[str, SpikeDetector] = {
-            s: SpikeDetector(window, min_steps, threshold, raw_below_zero=s in raw) for s in signals}
+            s: SpikeDetector(window, min_steps, threshold, raw_below_zero=s in raw) for s in signals
+            if s not in self.jumps}
         self.scores: Dict[str, float] = {}
         self.spikes: Dict[str, int] = {s: 0 for s in signals}
         self.restarts = 0
@@ -160,6 +164,15 @@ class SpikeTracker:
         if verdict is not None:
             self.scores[signal] = verdict.score
             self.spikes[signal] += verdict.spike
+
+    def count_jump(self, signal: str, value: float) -> None:
+        """One step's largest value of a jump signal (a ratio to its own baseline): a
+        spike step when it reaches the signal's threshold."""
+        threshold = self.jumps.get(signal)
+        if threshold is None or not math.isfinite(value):
+            return
+        self.scores[signal] = value
+        self.spikes[signal] += value >= threshold
 
     def resume(self, spikes: Mapping[str, int]) -> None:
         """Continue an earlier monitor's counts (same model name and labels)."""

@@ -118,6 +118,9 @@ class LayerGauge:
     """A Config field N: export ``value`` divided by the median of the layer's last N
     values (this one included), on the publisher thread from host values; absent until
     :data:`MIN_BASELINE` finite values exist (see :func:`relative`)."""
+    jump: Optional[str] = None
+    """A spike signal: a step where any layer's value of this (baseline) gauge reaches the
+    signal's threshold counts one spike step of it (see ``SpikeTracker.count_jump``)."""
     restarts: bool = False
     """The baseline is forgotten where the spike windows restart (a learning-rate jump, a
     resumed run): for values that move with the learning rate, whose old median would
@@ -236,7 +239,8 @@ _GRAD_NORM = Column("norm", NORM, scale_power=1)
 GRAD = Statistic(
     "grad", None, PARAM_GRAD, ((_GRAD_NORM,) + _COUNTS,),
     lambda grads, home: stats.param_grad_stats(grads, home),
-    gauges=(LayerGauge(M.GRAD_NORM, _norm), LayerGauge(M.GRAD_NORM_BASELINE_RATIO, _norm, baseline="norm_baseline", restarts=True)),
+    gauges=(LayerGauge(M.GRAD_NORM, _norm), LayerGauge(M.GRAD_NORM_BASELINE_RATIO, _norm, baseline="norm_baseline", restarts=True,
+                                                    jump=M.SIGNAL_LAYER_GRAD_NORM)),
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD}, origin=M.TENSOR_GRAD,
     coverage=M.FAMILY_GRAD, reduced=True, sampled=True,
     total=M.GRAD_GLOBAL_NORM, histogram=M.GRAD_GLOBAL_NORM_DISTRIBUTION, spike=M.SIGNAL_GRAD_NORM)
@@ -337,10 +341,13 @@ def series_per_layer(statistics: Sequence[Statistic]) -> int:
 
 
 def spike_signals(statistics: Sequence[Statistic], reduced_here: bool) -> Tuple[str, ...]:
-    """The spike signals a rank scores: the loss, and the total of each enabled statistic
-    that declares one; a reduced total (identical on every rank) only where this rank
-    exports the reduced series (rank 0 under DDP/FSDP), so a job counts one spike once."""
-    return (M.SIGNAL_LOSS,) + tuple(s.spike for s in statistics if s.spike and (reduced_here or not s.reduced))
+    """The spike signals a rank scores: the loss, the total of each enabled statistic that
+    declares one, and the jumps its gauges declare; a reduced statistic's (identical on
+    every rank) only where this rank exports the reduced series (rank 0 under DDP/FSDP),
+    so a job counts one spike once."""
+    here = [s for s in statistics if reduced_here or not s.reduced]
+    return ((M.SIGNAL_LOSS,) + tuple(s.spike for s in here if s.spike)
+            + tuple(g.jump for s in here for g in s.gauges if g.jump))
 
 
 def _check(table: Sequence[Statistic]) -> None:

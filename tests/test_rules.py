@@ -204,12 +204,23 @@ CASES.update({
         [alert("GradmonLossSpike", "20m"), alert("GradmonLossSpikeSevere", "20m"),
          *(alert("GradmonLossDiverging", f"{m}m") for m in range(17, 24))]),
     # -- divergence: the loss itself, with no spike needed and no warm-up exemption
-    "a_loss_that_stays_above_twice_its_running_minimum_pages_with_no_spike_even_in_the_warm_up": (
-        [series("gradmon_steps_total", "0+5x30", rank="0"), spikes("0x30"), *loss("1.0x5 2.5x20", "0.9x25")],
-        # 1.0 until 5m, 2.5 from 6m: every scrape of the 2m window above it from 8m on
-        [alert("GradmonLossDiverging", "7m"),
-         alert("GradmonLossDiverging", "8m", ("critical", target(rank="0"))),
-         alert("GradmonLossSpike", "8m")]),
+    "a_loss_that_stays_above_twice_its_running_minimum_after_a_gradient_spike_pages": (
+        # the spike at 11m, the loss up from 21m: every scrape of the 2m window above from 23m
+        [steps(), spikes("0x10 1x30", "grad_norm"), *loss("1.0x20 2.5x20", "0.9x40")],
+        [alert("GradmonLossDiverging", "22m"),
+         alert("GradmonLossDiverging", "23m", ("critical", target(rank="0")))]),
+    "a_loss_that_stays_above_twice_its_running_minimum_after_an_adam_rms_spike_pages": (
+        [steps(), layer("gradmon_adam_rms", "1x10 5 1x29", "blocks.0.attn"), *loss("1.0x30 2.5x10", "0.9x40")],
+        [alert("GradmonLossDiverging", "33m", ("critical", target(rank="0")))]),
+    "a_noisy_loss_far_above_its_luckiest_batch_does_not_page_without_an_instability_signal": (
+        # small batches: the loss sits at 2-4x the lowest batch loss seen, at every scrape
+        [steps(), spikes("0x40", "grad_norm"), *loss("0.25 0.3 0.22 0.35 0.28 " * 8, "0.07x40")],
+        [alert("GradmonLossDiverging", f"{m}m") for m in (5, 15, 25, 35)]),
+    "an_adam_rms_spike_in_the_warm_up_does_not_make_a_later_loss_climb_a_page": (
+        # 10 steps a minute, warm-up over at 10m; the Adam reading at 5m is in the warm-up
+        [series("gradmon_steps_total", "0+10x40", rank="0"), layer("gradmon_adam_rms", "1x4 5 1x35", "blocks.0.attn"),
+         *loss("1.0x20 2.5x20", "0.9x40")],
+        [alert("GradmonLossDiverging", f"{m}m") for m in (25, 30, 35)]),
     "a_loss_above_twice_its_running_minimum_at_every_other_scrape_does_not_page": (
         # small noisy batches: half the readings are above twice the lowest batch loss seen
         [steps(), spikes("0x40"), *loss("2.5 1.0 " * 20, "0.9x40")],
@@ -218,6 +229,21 @@ CASES.update({
         [steps(), spikes("0x10 1x20", "grad_norm")],
         [alert("GradmonGradNormSpike", "12m", ("warning", target(rank="0", signal="grad_norm"))),
          alert("GradmonGradNormSpikeSevere", "12m")]),
+    "a_layer_norm_jump_counted_between_two_scrapes_is_a_warning": (
+        [steps(), spikes("0x10 1x20", "layer_grad_norm")],
+        [alert("GradmonGradNormJump", "12m", ("warning", target(rank="0", signal="layer_grad_norm"))),
+         alert("GradmonGradNormJumpSevere", "12m")]),
+    "the_layer_norm_jump_warning_clears_after_its_window": (
+        [steps(), spikes("0x10 1x40", "layer_grad_norm")],
+        [alert("GradmonGradNormJump", "40m")]),
+    "repeated_layer_norm_jumps_are_critical": (
+        [steps(), spikes("0x10 1 2 3x20", "layer_grad_norm")],
+        [alert("GradmonGradNormJumpSevere", "14m", ("critical", target(rank="0", signal="layer_grad_norm"))),
+         # still firing in Prometheus; Alertmanager's inhibition silences it
+         alert("GradmonGradNormJump", "14m", ("warning", target(rank="0", signal="layer_grad_norm")))]),
+    "a_loss_that_stays_above_twice_its_running_minimum_after_a_layer_norm_jump_pages": (
+        [steps(), spikes("0x10 1x30", "layer_grad_norm"), *loss("1.0x20 2.5x20", "0.9x40")],
+        [alert("GradmonLossDiverging", "23m", ("critical", target(rank="0")))]),
     "repeated_spikes_of_one_ranks_own_gradient_are_critical_naming_that_rank": (
         [steps("0"), steps("1"), spikes("0x40", "local_grad_norm", "0"), spikes("0x10 1 1 2 3x30", "local_grad_norm", "1")],
         [alert("GradmonGradNormSpikeSevere", "20m", ("critical", target(rank="1", signal="local_grad_norm")))]),
@@ -248,6 +274,11 @@ CASES.update({
     "an_adam_rms_spike_read_once_warns_for_its_window": (
         [steps(), layer("gradmon_adam_rms", "1x10 4.2 1x10", "blocks.0.mlp")],
         [alert("GradmonAdamRmsSpike", "14m", ("warning", target(rank="0", layer="blocks.0.mlp")))]),
+    "adam_rms_read_in_the_warm_up_does_not_warn_after_it_ends": (
+        # 10 steps a minute: the warm-up (100 steps) ends at 10m; the 4.2 read at 8m is
+        # still inside the 5m window at 11m, but it was taken in the warm-up
+        [series("gradmon_steps_total", "0+10x30", rank="0"), layer("gradmon_adam_rms", "1x7 4.2 1x22", "blocks.0.mlp")],
+        [alert("GradmonAdamRmsSpike", f"{m}m") for m in (9, 11, 12)]),
     "no_adam_rms_alert_for_ordinary_values": (
         [steps(), layer("gradmon_adam_rms", "0.9 1.1 1.4 0.7 2.2 1 " * 5, "blocks.0.mlp")],
         [alert("GradmonAdamRmsSpike", "25m")]),

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import fresh
+from conftest import fresh, value
 from gradmon import metrics as M
 from gradmon import statistics as S
 
@@ -116,3 +116,27 @@ def test_the_baseline_gauges_count_in_the_series_budget():
 def test_a_baseline_shorter_than_the_values_a_ratio_needs_is_refused(attach, option):
     with pytest.raises(ValueError, match=option):
         attach(nn.Linear(2, 2), **{option: S.MIN_BASELINE - 1})
+
+
+def test_a_layer_jumping_to_norm_jump_ratio_times_its_baseline_counts_a_spike_step_between_scrapes(attach):
+    """The jump is counted in the process at the step it happens: a scrape that comes
+    after the next, ordinary step (when the gauge is back near 1) still sees it."""
+    run, window = Run(), 10
+    mon = attach(run.model, norm_baseline=window, norm_jump_ratio=3.0)
+
+    def jumps() -> float:
+        return value(fresh(mon), M.exposed_names(M.SPIKE_STEPS)[0], signal=M.SIGNAL_LAYER_GRAD_NORM)
+
+    for _ in range(window + 4):
+        run.step()
+    assert jumps() == 0
+    run.step(scale=1.6)  # a bump below the threshold: the ratio says so, no spike step
+    assert 1.2 < ratio(mon, M.GRAD_NORM_BASELINE_RATIO) < 3.0 and jumps() == 0
+    run.step(scale=40.0)
+    assert expected(run.norms, window) > 3.0
+    run.step()  # the next step, before any scrape: the gauge has settled, the count stays
+    assert ratio(mon, M.GRAD_NORM_BASELINE_RATIO) < 3.0
+    assert jumps() == 1
+    score = value(fresh(mon), M.SPIKE_SCORE.name, signal=M.SIGNAL_LAYER_GRAD_NORM)
+    # the last step's largest ratio: layer 0's or layer 2's, whichever is larger
+    assert score >= ratio(mon, M.GRAD_NORM_BASELINE_RATIO) * (1 - 1e-6)
