@@ -162,13 +162,15 @@ def _update_sums(a: List[torch.Tensor], w: List[torch.Tensor], lr: Any, c: Any, 
     with P = (1 - lr·c)·w_{t-1} = w + lr·k·a, ‖P‖² and ‖a + c'·P‖² expand into ‖w‖²,
     ‖a‖² and ⟨w, a⟩. The cross terms are small beside the leading one (lr·k·‖a‖ is far
     below ‖w‖; the decay c'·P far below a unless Adam's step is near zero), so their
-    float32 rounding barely reaches the result; a negative from rounding is clamped."""
+    float32 rounding barely reaches the result; a negative from rounding is clamped (both sums)."""
     shrink = 1 - lr * c
     alpha = lr * k
     ww = _squares(w)
     aa = _squares(a)
     wa = torch.stack([torch.dot(x, y) for x, y in zip(w, a)]).double()
-    pp = ww + 2 * alpha * wa + alpha * alpha * aa  # ‖P‖²
+    # ‖P‖²; exactly 0 for a weight that was 0 before the step (a bias at init), where
+    # rounding of the expansion may land on either side of 0
+    pp = (ww + 2 * alpha * wa + alpha * alpha * aa).clamp_min(0)
     if _nonzero(c):
         cp = c / (k * shrink)  # A + c·w_{t-1} = k·(a + cp·P)
         step = aa + 2 * cp * (wa + alpha * aa) + cp * cp * pp

@@ -117,11 +117,12 @@ def test_a_non_finite_loss_is_exported_but_never_the_running_minimum(attach):
 
 def test_spike_counters_exist_at_zero_from_attach_for_the_signals_that_apply(attach):
     s = fresh(attach(net()))
-    assert {dict(k)["signal"]: v for (n, k), v in s.items() if n == SPIKE_STEPS} == {"loss": 0, "grad_norm": 0}
+    assert {dict(k)["signal"]: v for (n, k), v in s.items() if n == SPIKE_STEPS} == {
+        "loss": 0, "grad_norm": 0, "layer_grad_norm": 0}
     assert not [n for n, _ in s if n == "gradmon_spike_score"]  # nothing scored yet
     s = fresh(attach(nn.Linear(2, 2), local_view=True, name="local"))
     assert {dict(k)["signal"] for (n, k), v in s.items() if n == SPIKE_STEPS} == {
-        "loss", "grad_norm", "local_grad_norm"}
+        "loss", "grad_norm", "local_grad_norm", "layer_grad_norm"}
 
 
 def train(mon, steps: int, spike_at: int = -1, lr_from: int = -1):
@@ -206,8 +207,9 @@ def test_a_reduced_norm_is_scored_only_where_this_rank_exports_the_reduced_serie
     from gradmon import statistics as S
     from gradmon.config import Config
     enabled = S.enabled(Config(), local_view=True)
-    assert S.spike_signals(enabled, reduced_here=True) == ("loss", "grad_norm", "local_grad_norm")
-    # DDP/FSDP rank > 0: the same reduced norm as rank 0's, so one spike is counted once per job
+    assert S.spike_signals(enabled, reduced_here=True) == ("loss", "grad_norm", "local_grad_norm", "layer_grad_norm")
+    # DDP/FSDP rank > 0: the same reduced norm (and per-layer norms) as rank 0's, so one
+    # spike is counted once per job
     assert S.spike_signals(enabled, reduced_here=False) == ("loss", "local_grad_norm")
     assert S.spike_signals(S.enabled(Config(), local_view=False), reduced_here=False) == ("loss",)
 

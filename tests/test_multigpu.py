@@ -94,7 +94,8 @@ def test_ddp_reduced_and_local_views_match_single_process_reference(tmp_path):
         assert local[0] != local[1]  # the local views really differ per rank
         # the reduced norm's spikes are counted once per job (rank 0), each rank's own on that rank
         signals = {dict(k[1])["signal"] for k in s if k[0] == "gradmon_spike_steps_total"}
-        assert signals == ({"loss", "grad_norm", "local_grad_norm"} if rank == 0 else {"loss", "local_grad_norm"})
+        assert signals == ({"loss", "grad_norm", "local_grad_norm", "layer_grad_norm"} if rank == 0
+                           else {"loss", "local_grad_norm"})
 
 
 def test_ddp_nan_in_one_ranks_data_is_named_by_that_ranks_local_counters(tmp_path):

@@ -270,3 +270,25 @@ def test_channels_last_weights_and_their_state_are_read_element_for_element(atta
     for step in range(2):
         model(torch.randn(2, 3, 7, 7).to(memory_format=torch.channels_last)).square().mean().backward()
         _step_and_check_ratios(model, opt, mon, step)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_layer_whose_bias_starts_at_zero_gets_a_finite_ratio_at_its_first_step(attach, name):
+    """‖w_{t-1}‖² of a bias that was 0 before the step is rebuilt from w_t and the update
+    as an expansion whose terms cancel to 0: rounding must not take it below 0 (a NaN
+    ratio for the whole layer, as a LayerNorm's at init once gave)."""
+    for seed in range(5):  # rounding lands below 0 for some seeds and not others
+        model = _model(seed)
+        with torch.no_grad():
+            model[0].bias.zero_()
+            model[0].weight.zero_()
+            model[0].weight[0, 0] = 1.0  # the layer's norm before the step: 1, all from one element
+        opt = OPTIMIZERS[name](list(model.parameters()))
+        mon = attach(model, optimizer_every=1, name=f"{name}{seed}")
+        _backward(model, seed, 1e4)
+        before = [p.detach().clone() for p in _params(model, "0")]
+        opt.step()
+        opt.zero_grad()
+        got = value(fresh(mon), "gradmon_update_to_weight_ratio", layer="0")
+        assert got == pytest.approx(_applied_ratio(before, _params(model, "0")), rel=1e-3), seed
+        mon.detach()
