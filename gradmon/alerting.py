@@ -297,6 +297,13 @@ def _max_reading(spec: M.MetricSpec, th: Thresholds, window: float, by: str) -> 
     return f"max_over_time((max by ({by}) ({spec.name}) and on({TARGET}) {_past_warmup(th)})[{dur(window)}:])"
 
 
+def _loss_high(th: Thresholds, t: Timing) -> str:
+    """The loss over its running minimum, where it stayed above ``loss_divergence`` at
+    every scrape of ``loss_window``: one noisy batch above it is no divergence."""
+    return (f"(\n  min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) / {M.LOSS_RUNNING_MIN.name} > {th.loss_divergence:g}\n"
+            f"  and {M.LOSS_RUNNING_MIN.name} > 0\n)")
+
+
 _SPIKE_MEANING = "a value above twice its window's median and far outside its noise"
 
 
@@ -310,9 +317,7 @@ def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequ
     def spikes(window: float) -> str:
         return _spike_steps(th, signals, window, f"{TARGET}, signal")
 
-    loss_high = (f"on({TARGET}) (min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) "
-                 f"> {th.loss_divergence:g} * {M.LOSS_RUNNING_MIN.name} "
-                 f"and {M.LOSS_RUNNING_MIN.name} > 0)")
+    loss_high = f"on({TARGET}) {_loss_high(th, t)}"
     return [
         Alert(f"Gradmon{name}", "warning", f"{what} spike",
               f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}) in the last "
@@ -343,8 +348,7 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"gradient-norm spike (global, a rank's own, or a layer's jump to norm_jump_ratio times its "
               f"baseline) or an Adam RMS above {th.adam_rms_spike:g}: the run regressed and is not "
               "recovering by itself.",
-              f"(\n  min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) / {M.LOSS_RUNNING_MIN.name} > {th.loss_divergence:g}\n"
-              f"  and {M.LOSS_RUNNING_MIN.name} > 0\n)\nand on({TARGET}) (\n"
+              f"{_loss_high(th, t)}\nand on({TARGET}) (\n"
               f"  {_spike_steps(th, M.SPIKE_SIGNALS, t.spike_repeat_window, TARGET)} > 0\n  or\n"
               f"  {_max_reading(M.ADAM_RMS, th, t.spike_repeat_window, TARGET)} > {th.adam_rms_spike:g}\n)", 0),
         *_spike_alerts(th, t, "LossSpike", "Loss", (M.SIGNAL_LOSS,)),
