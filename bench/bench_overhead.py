@@ -74,9 +74,6 @@ def _gradmon(**options) -> Callable:
 
         def teardown():
             mon.flush(10)
-            # this monitor's own clock: the exported counters continue across attaches
-            # of the same model name, so steps_total counts every earlier segment too
-            state["overhead_s"] = mon._recorder.overhead if mon._recorder else 0.0
             mon.detach()
         return teardown
     return setup
@@ -136,6 +133,7 @@ def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict
             step()  # allocator and kernels warm
     states: Dict[str, dict] = {name: {} for name in names}
     teardowns = {name: VARIANTS[name](model, opt, states[name]) for name, (model, opt, _) in copies.items()}
+    # each monitor's own clock (time in its hooks), read before and after the timed rounds
     recorders = {name: getattr(st.get("monitor"), "_recorder", None) for name, st in states.items()}
 
     def timed(name: str) -> float:
@@ -226,7 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--steps", type=int, default=10,
-                   help="timed steps per segment: a multiple of the sampling cadence (10 at the defaults)")
+                   help="timed steps of every copy per round: a multiple of the sampling cadence (10 at the defaults)")
     p.add_argument("--discard", type=int, default=1, help="untimed steps of every copy after attaching")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=10)
