@@ -138,6 +138,10 @@ class Statistic:
     """The columns of one record, grouped as the tensors ``record`` returns them."""
     record: Callable[..., Any]
     gauges: Tuple[LayerGauge, ...] = ()
+    combine: Optional[Callable[[Sequence[torch.Tensor], Sequence[int], torch.device], torch.Tensor]] = None
+    """For a one-part statistic whose per-record work is cheaper done once per step:
+    ``record`` returns raw material (e.g. a sample of the output) and ``combine(raw,
+    numels, home)`` turns a step's records into the part's (n, width) block."""
     counter: Optional[M.MetricSpec] = None
     """Family counting the records' "nan" and "inf" columns, per layer and ``kind``."""
     counter_labels: Mapping[str, str] = field(default_factory=dict)
@@ -267,7 +271,8 @@ ACTIVATION_KURTOSIS = Statistic(
     "activation_kurtosis", ("activations", "activation_kurtosis"), OUTPUT,
     (tuple(Column(name, MOMENTS) for name in MOMENT_COLUMNS),),
     lambda output: stats.moments_record(output),
-    gauges=(LayerGauge(M.ACTIVATION_KURTOSIS, _kurtosis),), detail=True)
+    gauges=(LayerGauge(M.ACTIVATION_KURTOSIS, _kurtosis),), detail=True,
+    combine=lambda samples, numels, home: stats.moments_block(samples, numels, home))
 
 # fp16 only: a bf16 or fp32 tensor has no such ceiling worth watching. The gradient is
 # the one w.r.t. the layer's output, as backward carries it: fp16 under autocast too
@@ -354,7 +359,7 @@ def _check(table: Sequence[Statistic]) -> None:
     names = [s.name for s in table]
     assert len(set(names)) == len(names), names
     for s in table:
-        if s.at in BATCHED:
+        if s.at in BATCHED or s.combine is not None:
             # the FSDP collective and the unscaling take the rows as one block
             assert len(s.parts) == 1, s.name
         if s.counter is not None:

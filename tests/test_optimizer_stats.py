@@ -292,3 +292,72 @@ def test_a_layer_whose_bias_starts_at_zero_gets_a_finite_ratio_at_its_first_step
         got = value(fresh(mon), "gradmon_update_to_weight_ratio", layer="0")
         assert got == pytest.approx(_applied_ratio(before, _params(model, "0")), rel=1e-3), seed
         mon.detach()
+
+
+def _bench_gpt(depth: int = 2):
+    """The benchmark's GPT (README, Benchmark) at ``depth`` blocks."""
+    import sys
+    from pathlib import Path
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import bench_overhead
+    finally:
+        sys.path.remove(bench)
+    torch.manual_seed(0)
+    return bench_overhead.GPT(depth=depth)
+
+
+def _train_gpt(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        data = torch.randint(0, 2048, (4, 65), generator=g)
+        logits = model(data[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 2048), data[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_large_parameter_is_read_through_a_sample_within_five_percent_of_every_element():
+    """The default sample against ``optimizer_sample=0`` on the benchmark's GPT after some
+    AdamW steps, parameter by parameter: the embedding (rows its batch's tokens update
+    unevenly) is the hardest."""
+    model = _bench_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    _train_gpt(model, opt, 8)
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, 2048, (4, 65), generator=g)
+    torch.nn.functional.cross_entropy(model(data[:, :-1]).reshape(-1, 2048), data[:, 1:].reshape(-1)).backward()
+    opt.step()  # p.grad still there, as in the post-step hook
+    params = list(model.parameters())
+    home = torch.device("cpu")
+    exact, sampled = O.read(opt, params, home, 0), O.read(opt, params, home, 16384)
+    large = [j for j, p in enumerate(params) if p.numel() > 16384]
+    assert len(large) >= 8 and max(params[j].numel() for j in large) >= 2048 * 256
+    for (e_rows, e_at), (s_rows, s_at) in ((exact.update, sampled.update), (exact.adam, sampled.adam)):
+        assert e_at == s_at == tuple(range(len(params)))
+        for j, (e, s) in enumerate(zip(e_rows.tolist(), s_rows.tolist())):
+            if j in large:
+                assert s == pytest.approx(e, rel=0.05), (j, s, e)
+                assert s != e  # a sample indeed, not every element
+            else:
+                assert s == pytest.approx(e, rel=1e-6), (j, s, e)  # small parameters are read whole
+
+
+def test_optimizer_sample_reaches_the_reading_and_zero_reads_every_element(attach):
+    for sample, rel in ((4096, 0.1), (0, 1e-4)):
+        model = _bench_gpt(depth=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        _train_gpt(model, opt, 2)
+        mon = attach(model, optimizer_every=1, optimizer_sample=sample, name=f"s{sample}")
+        data = torch.randint(0, 2048, (4, 65), generator=torch.Generator().manual_seed(3))
+        torch.nn.functional.cross_entropy(model(data[:, :-1]).reshape(-1, 2048), data[:, 1:].reshape(-1)).backward()
+        before = [model.tok.weight.detach().clone()]
+        opt.step()
+        opt.zero_grad()
+        got = value(fresh(mon), "gradmon_update_to_weight_ratio", layer="tok")
+        want = _applied_ratio(before, [model.tok.weight])
+        assert got == pytest.approx(want, rel=rel), (sample, got, want)
+        if sample:
+            assert got != pytest.approx(want, rel=1e-4)  # 4,096 of 524,288 elements: visibly an estimate
+        mon.detach()
