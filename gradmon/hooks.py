@@ -35,7 +35,7 @@ import time
 import weakref
 from functools import partial
 from time import perf_counter
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -127,6 +127,12 @@ def _add(total: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
             + value.to(home.device, home.dtype, non_blocking=True))
 
 
+RAW_BUDGET = 2 ** 22
+"""Elements of raw material (see ``Statistic.combine``) one statistic holds before it is
+combined into rows early: a recurrent cell called a thousand times in one forward must not
+keep a thousand 64 KB samples alive until the forward returns."""
+
+
 class _Records:
     """The records one statistic made in the current step.
 
@@ -134,25 +140,47 @@ class _Records:
     that raised, or a backward that raised (KeyboardInterrupt, OOM), must not leak its
     partial statistics into the next step. ``commit()`` marks the records so far as
     complete; ``drop_pending()`` forgets the rest. Keyed records (one per parameter)
-    replace that key's earlier record: the latest holds every micro-batch so far."""
+    replace that key's earlier record: the latest holds every micro-batch so far. A
+    statistic with ``combine`` records raw material, turned into its rows (all pending
+    records at once) when committed or when :data:`RAW_BUDGET` elements are waiting."""
 
-    __slots__ = ("keyed", "done", "pending")
+    __slots__ = ("keyed", "done", "pending", "combine", "raw", "raw_elements")
 
-    def __init__(self, keyed: bool) -> None:
+    def __init__(self, keyed: bool, combine: Optional[Callable[..., torch.Tensor]] = None) -> None:
         self.keyed = keyed
+        self.combine = combine
         self.done: Dict[Any, Tuple[int, int, Sequence[torch.Tensor]]] = {}  # insertion order
         self.pending: List[Tuple[int, int, Sequence[torch.Tensor]]] = []
+        self.raw: List[int] = []  # positions in pending still holding raw material
+        self.raw_elements = 0
 
     def add(self, key: int, numel: int, parts: Sequence[torch.Tensor]) -> None:
         self.pending.append((key, numel, parts))
+        if self.combine is not None:
+            self.raw.append(len(self.pending) - 1)
+            self.raw_elements += parts[0].numel()
+            if self.raw_elements > RAW_BUDGET:
+                self._combine()
+
+    def _combine(self) -> None:
+        if not self.raw:
+            return
+        raw = [self.pending[i] for i in self.raw]
+        rows = self.combine([r[2][0] for r in raw], [r[1] for r in raw], raw[0][2][0].device)
+        for i, row in zip(self.raw, rows.unbind(0)):
+            key, numel, _ = self.pending[i]
+            self.pending[i] = (key, numel, (row,))
+        self.raw, self.raw_elements = [], 0
 
     def commit(self) -> None:
+        self._combine()
         for record in self.pending:
             self.done[record[0] if self.keyed else len(self.done)] = record
         self.pending = []
 
     def drop_pending(self) -> None:
         self.pending = []
+        self.raw, self.raw_elements = [], 0
 
     def keys(self) -> List[int]:
         """Keys of the committed records, in the order the packet carries them."""
@@ -226,7 +254,7 @@ class Recorder:
     def _reset_records(self) -> None:
         # OUTPUT records are complete once the root forward returned; the others once
         # their backward pass ended
-        self._records: Dict[str, _Records] = {st.name: _Records(keyed=st.by_parameter)
+        self._records: Dict[str, _Records] = {st.name: _Records(st.by_parameter, st.combine)
                                               for st in self.statistics if st.at not in S.BATCHED}
 
     def statistics_at(self, *moments: str) -> Tuple[Statistic, ...]:
@@ -389,8 +417,9 @@ class Recorder:
                 self._record_forward(S.BLOCK, self.blocks + 1, output)
         except Exception as exc:
             self.errors.record("forward", exc)
-        for records in self._each_records(*S.FORWARD):
-            records.commit()
+        t0 = perf_counter()
+        self._commit(self._each_records(*S.FORWARD), "forward")
+        self.overhead += perf_counter() - t0
         if not torch.is_grad_enabled():
             return
         try:
@@ -399,6 +428,16 @@ class Recorder:
                     t.register_hook(self._on_backward_start)
         except Exception as exc:
             self.errors.record("backward", exc)
+
+    def _commit(self, records: Iterable[_Records], stage: str) -> None:
+        """Commit each statistic's pending records; one whose raw records fail to combine
+        misses them (counted under ``stage``), the others are unaffected."""
+        for r in records:
+            try:
+                r.commit()
+            except Exception as exc:
+                r.drop_pending()
+                self.errors.record(stage, exc)
 
     def _on_backward_start(self, grad: torch.Tensor) -> None:
         if not self.active:
@@ -433,8 +472,7 @@ class Recorder:
         t0 = perf_counter()
         try:
             # OUTPUT too: reentrant checkpointing re-runs forwards inside backward
-            for records in self._records.values():
-                records.commit()
+            self._commit(self._records.values(), "backward")
             # Without an accumulated gradient (torch.autograd.grad, .grad assigned by
             # hand later) there is nothing to measure yet: the optimizer step will.
             # FSDP2 assigns sharded gradients itself, after its own callbacks. Parameters
@@ -711,10 +749,7 @@ class Recorder:
                 keys = tuple(key for key, _, _ in committed)
                 numels = tuple(numel for _, numel, _ in committed)
                 home = home or committed[0][2][0].device
-                if st.combine is not None:
-                    blocks = [st.combine([rec[2][0] for rec in committed], numels, home)]
-                else:
-                    blocks = [stats.stack_records([rec[2][j] for rec in committed], home) for j in range(len(st.parts))]
+                blocks = [stats.stack_records([rec[2][j] for rec in committed], home) for j in range(len(st.parts))]
             home = home or blocks[0].device
             for part, block in zip(st.parts, blocks):
                 powers = [c.scale_power for c in part]

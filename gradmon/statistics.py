@@ -139,9 +139,10 @@ class Statistic:
     record: Callable[..., Any]
     gauges: Tuple[LayerGauge, ...] = ()
     combine: Optional[Callable[[Sequence[torch.Tensor], Sequence[int], torch.device], torch.Tensor]] = None
-    """For a one-part statistic whose per-record work is cheaper done once per step:
-    ``record`` returns raw material (e.g. a sample of the output) and ``combine(raw,
-    numels, home)`` turns a step's records into the part's (n, width) block."""
+    """For a one-part statistic whose per-record work is cheaper done for many records at
+    once: ``record`` returns raw material (e.g. a sample of the output) and ``combine(raw,
+    numels, home)`` turns a list of records' raw material into their (n, width) rows,
+    when the forward (or backward) that made them completes."""
     counter: Optional[M.MetricSpec] = None
     """Family counting the records' "nan" and "inf" columns, per layer and ``kind``."""
     counter_labels: Mapping[str, str] = field(default_factory=dict)

@@ -71,6 +71,62 @@ def test_kurtosis_of_a_layer_equals_the_float64_kurtosis_of_its_flattened_output
     assert not math.isclose(value(s, "gradmon_activation_kurtosis", layer="inner"), sum(per_call) / 2, rel_tol=1e-3)
 
 
+class Recurrent(nn.Module):
+    """One cell called many times in one forward, as an RNN steps through a sequence."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+        self.steps = steps
+
+    def forward(self, x):
+        for _ in range(self.steps):
+            x = torch.tanh(self.cell(x)) * 3
+        return x
+
+
+def test_a_layer_called_many_times_holds_a_bounded_sample_and_keeps_its_exact_kurtosis(attach, monkeypatch):
+    """Raw samples are combined into rows as soon as RAW_BUDGET elements wait, not kept
+    until the forward returns; the rows fold as exactly as the samples would have."""
+    from gradmon import hooks
+    monkeypatch.setattr(hooks, "RAW_BUDGET", 3 * 64 * 8)  # three calls' outputs
+    waiting: List[int] = []
+    add = hooks._Records.add
+
+    def spy(self, key, numel, parts):
+        add(self, key, numel, parts)
+        if self.combine is not None:
+            waiting.append(self.raw_elements)
+    monkeypatch.setattr(hooks._Records, "add", spy)
+    torch.manual_seed(2)
+    model = Recurrent(steps=20)
+    outputs = capture_outputs({"cell": model.cell})
+    mon = attach(model, detail_every=1)
+    step(model, torch.randn(64, 8))
+    mon.flush()
+    assert len(outputs["cell"]) == 20 and len(waiting) == 20
+    assert max(waiting) <= 3 * 64 * 8 and waiting.count(0) >= 5  # combined every fourth call
+    got = value(scrape(mon.url), "gradmon_activation_kurtosis", layer="cell")
+    assert math.isclose(got, pearson_kurtosis(outputs["cell"]), rel_tol=1e-4)
+
+
+def test_a_failure_to_combine_the_samples_loses_the_kurtosis_only(attach, monkeypatch):
+    from gradmon import stats
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("combine failed")
+    monkeypatch.setattr(stats, "moments_block", broken)
+    torch.manual_seed(3)
+    model = Twice()
+    mon = attach(model, detail_every=1)
+    step(model, torch.randn(16, 6))
+    mon.flush()
+    s = scrape(mon.url)
+    assert value(s, "gradmon_hook_errors_total", stage="forward") == 1
+    assert value(s, "gradmon_grad_norm", layer="inner") > 0 and value(s, "gradmon_activation_rms", layer="inner") > 0
+    assert not [k for k in s if k[0] == "gradmon_activation_kurtosis"]
+
+
 class Outliers(nn.Module):
     """A large output (above the kurtosis sample) with one outlier feature: channel 7 is
     30x the others on every token, as outlier features are in transformers."""
