@@ -110,8 +110,9 @@ class Config:
     activation_kurtosis: bool = True
     """Kurtosis of each layer's output on detail steps (with ``activations``): outlier
     features show as a kurtosis far above a Gaussian's 3 long before max |x| overflows.
-    Estimated from a systematic sample of about 16K elements of each output (seven
-    passes over the sample; see README, Activation and fp16 signals)."""
+    Estimated from a systematic sample of about 16K elements of each output (one copy
+    per output; the moments of a forward's samples are computed at once when it returns;
+    see README, Activation and fp16 signals)."""
 
     activation_baseline: int = 32
     """Detail measurements of a layer's max |x| whose median is the baseline of
