@@ -51,3 +51,13 @@ def test_the_confidence_bound_is_the_student_t_upper_bound_of_the_mean():
     # mean 2, sample sd 1, n 3: 2 + t(0.975, df=2) / sqrt(3)
     assert abs(bench_overhead.ci95_high([1.0, 2.0, 3.0]) - (2 + 4.303 / 3 ** 0.5)) < 1e-9
     assert bench_overhead.ci95_high([1.0, 1.0, 1.0]) == 1.0
+
+
+def test_overhead_breakdown_times_every_hook_of_a_detail_step():
+    r = subprocess.run([sys.executable, str(BENCH.parent / "overhead_breakdown.py"), "--steps", "1", "--discard", "1",
+                        "--threads", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = dict(line.split() for line in r.stdout.splitlines()[1:])
+    for name in ("host", "on_forward", "on_grad_flow", "activation_record", "moments_block", "read", "_measure_grads"):
+        assert float(rows[name]) > 0, (name, r.stdout)
+    assert float(rows["on_forward"]) >= float(rows["activation_record"])  # nested timers sit inside their callers
