@@ -41,7 +41,8 @@ class ExportView:
     info: Mapping[str, str]  # version, torch_version, world_size
     reduced_per_layer: bool = True
     """False on ranks other than 0 when every rank holds the same reduced gradient
-    (DDP, FSDP): rank 0 carries those per-layer series, the others only their own."""
+    (DDP, FSDP): rank 0 carries those per-layer series and the global norm's histogram
+    (66 series, the same on every rank), the others only their own."""
     failure: Optional[str] = None  # the exception type name of a failed run
 
 
@@ -109,10 +110,11 @@ def add_view(fam: _Families, view: ExportView) -> None:
             fam.add(spec, _with(base, signal=signal), value)
     for tensor, layer, step in s.nonfinite_origin:
         fam.add(M.NONFINITE_ORIGIN, _with(base, tensor=tensor, layer=layer), step)
-    for bound, cumulative in s.histogram:
-        fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, _with(base, le=_fmt_bound(bound)), cumulative, "_bucket")
-    fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, base, s.histogram_count, "_count")
-    fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, base, s.histogram_sum, "_sum")
+    if view.reduced_per_layer:
+        for bound, cumulative in s.histogram:
+            fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, _with(base, le=_fmt_bound(bound)), cumulative, "_bucket")
+        fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, base, s.histogram_count, "_count")
+        fam.add(M.GRAD_GLOBAL_NORM_DISTRIBUTION, base, s.histogram_sum, "_sum")
     for stage, count in view.errors.items():
         fam.add(M.HOOK_ERRORS, _with(base, stage=stage), count)
     for family, count in s.uncovered:

@@ -92,6 +92,9 @@ def test_ddp_reduced_and_local_views_match_single_process_reference(tmp_path):
                 assert not [k for k in s if k[0] == "gradmon_grad_norm"]
             assert math.isclose(value(s, "gradmon_local_grad_norm", layer=layer), local[rank][layer], rel_tol=1e-5), (rank, layer)
         assert local[0] != local[1]  # the local views really differ per rank
+        # the reduced global norm's histogram is the same on every rank: rank 0 alone exports it
+        histogram = [k for k in s if k[0].startswith("gradmon_grad_global_norm_distribution")]
+        assert (value(s, "gradmon_grad_global_norm_distribution_count") == 3) if rank == 0 else not histogram
         # the reduced norm's spikes are counted once per job (rank 0), each rank's own on that rank
         signals = {dict(k[1])["signal"] for k in s if k[0] == "gradmon_spike_steps_total"}
         assert signals == ({"loss", "grad_norm", "local_grad_norm", "layer_grad_norm"} if rank == 0
