@@ -96,7 +96,8 @@ class Process:
 
 class Prometheus(Process):
     def __init__(self, workdir: Path, scrape_interval: str = "1s", rule_files: Optional[List[Path]] = None,
-                 alertmanager: Optional[str] = None, file_sd: Optional[Path] = None) -> None:
+                 alertmanager: Optional[str] = None, file_sd: Optional[Path] = None,
+                 relabel_configs: Optional[List[Dict[str, Any]]] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg: Dict[str, Any] = {
@@ -106,6 +107,8 @@ class Prometheus(Process):
             "scrape_configs": [{"job_name": "gradmon", "file_sd_configs": [
                 {"files": [str(file_sd or workdir / "targets.json")], "refresh_interval": "1s"}]}],
         }
+        if relabel_configs:
+            cfg["scrape_configs"][0]["relabel_configs"] = relabel_configs
         if alertmanager:
             cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
         self.targets_file = Path(cfg["scrape_configs"][0]["file_sd_configs"][0]["files"][0])
