@@ -27,7 +27,8 @@ def model_with(layers: int) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(layers)])
 
 
-def count(layers: int, rank: int, world: int) -> int:
+def exposition(layers: int, rank: int, world: int) -> str:
+    """What rank ``rank`` of a ``world``-rank job on a ``layers``-layer model serves, every family on."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
     model = model_with(layers)
     registry = CollectorRegistry()
@@ -38,7 +39,11 @@ def count(layers: int, rank: int, world: int) -> int:
     mon.flush()
     text = generate_latest(registry).decode()
     mon.detach()
-    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+    return text
+
+
+def count(layers: int, rank: int, world: int) -> int:
+    return sum(1 for line in exposition(layers, rank, world).splitlines() if line and not line.startswith("#"))
 
 
 def main() -> int:

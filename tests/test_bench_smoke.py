@@ -61,3 +61,17 @@ def test_overhead_breakdown_times_every_hook_of_a_detail_step():
     for name in ("host", "on_forward", "on_grad_flow", "activation_record", "moments_block", "read", "_measure_grads"):
         assert float(rows[name]) > 0, (name, r.stdout)
     assert float(rows["on_forward"]) >= float(rows["activation_record"])  # nested timers sit inside their callers
+
+
+def test_prometheus_load_benchmark_reads_a_real_prometheus_scraping_simulated_ranks(tmp_path):
+    from servers import binary
+    binary("prometheus")  # a missing binary fails under CI=true, skips elsewhere
+    out = tmp_path / "load.json"
+    r = subprocess.run([sys.executable, str(BENCH.parent / "prometheus_load.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    last = res["rows"][-1]
+    # 4 simulated ranks of gradmon's real exposition (rank 0's and another rank's) plus Prometheus' own
+    assert last["head_series"] > 4 * 100 and last["heap_inuse_mb"] > 0 and last["samples_per_s"] > 0
+    assert last["rule_eval_s"] > 0  # the gradmon rules were loaded and evaluated
