@@ -134,14 +134,14 @@ def _read(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], home: torc
         rows = (_adam_sums if is_adam else _sgd_sums)(batch, batch.tensors())
         weights = batch.weights
         if weights is not None:
-            rows = rows * torch.tensor(weights, dtype=rows.dtype, device=rows.device).unsqueeze(1)
+            rows = rows * stats.host_values(weights, rows.device, rows.dtype).unsqueeze(1)
         pieces.append(rows.to(home, non_blocking=True))
         owners += batch.owners
     if not pieces:
         return Reading(None, None)
     read_at = sorted(set(owners))
     slot = {j: k for k, j in enumerate(read_at)}
-    index = torch.tensor([slot[j] for j in owners], device=home)  # host list -> device: no sync
+    index = stats.host_values([slot[j] for j in owners], home)
     sums = torch.zeros(len(read_at), 3, dtype=torch.float64, device=home)
     sums.index_add_(0, index, torch.cat(pieces).double())
     norms = sums.sqrt()

@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .stats import host_values
+
 
 def _dtensor_type():
     try:
@@ -78,7 +80,7 @@ def all_reduce_rows(rows: Optional[torch.Tensor], order: Sequence[int], groups: 
     import torch.distributed as dist
 
     width = len(folds)
-    norm = torch.tensor([f == "norm" for f in folds])
+    norm = [f == "norm" for f in folds]
     absmax = [j for j, f in enumerate(folds) if f == "absmax"]
     row = {param: j for j, param in enumerate(order)} if rows is not None and not failed else {}
     ok = True  # False when any rank (this one included) had no valid numbers
@@ -94,7 +96,7 @@ def all_reduce_rows(rows: Optional[torch.Tensor], order: Sequence[int], groups: 
                 if j is not None:
                     vec[width * k:width * (k + 1)] = rows[j].to(device=device, dtype=torch.float64)
         body = vec[:-1].view(n, width)
-        squares = norm.to(device).expand(n, width)
+        squares = host_values(norm, device).expand(n, width)
         body.copy_(torch.where(squares, body.square(), body))
         peaks = body[:, absmax].clone() if absmax else None
         for dim in group.dims:
@@ -112,7 +114,7 @@ def all_reduce_rows(rows: Optional[torch.Tensor], order: Sequence[int], groups: 
         # Another rank's missing numbers poison the sum: drop this step's values (NaN,
         # counts 0) without reading the flag on the host, which would sync on CUDA.
         valid = vec[-1] == 0
-        dropped = torch.tensor([math.nan if f != "sum" else 0.0 for f in folds], dtype=vec.dtype, device=device)
+        dropped = host_values([math.nan if f != "sum" else 0.0 for f in folds], device, vec.dtype)
         for k, param in enumerate(group.params):
             j = row.get(param)
             if j is not None:

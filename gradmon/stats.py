@@ -22,6 +22,13 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _ZERO_COUNTS = torch.zeros(2, dtype=torch.int64)  # CPU only: see _host_says_finite
 
 
+def host_values(values: Sequence[object], device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A small tensor of values the host knows, on ``device``: built in host memory and
+    copied with ``non_blocking``, because ``torch.tensor`` given a CUDA ``device`` copies
+    synchronously (a stream sync, which ``set_sync_debug_mode("error")`` refuses)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _ship_dtype(device: torch.device) -> torch.dtype:
     # MPS has no float64; counts there are exact only below 2**24 per tensor.
     return torch.float32 if device.type == "mps" else torch.float64
@@ -185,7 +192,7 @@ def moments_block(samples: Sequence[torch.Tensor], numels: Sequence[int], home: 
     lengths = tuple(t.numel() for t in samples)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in samples) else torch.float32
     block = torch.nn.utils.rnn.pad_sequence([t.to(home, dtype) for t in samples], batch_first=True)
-    n = torch.tensor(lengths, dtype=dtype).to(home, non_blocking=True).unsqueeze(1)
+    n = host_values(lengths, home, dtype).unsqueeze(1)
     mean = block.sum(1, keepdim=True) / n
     # in place where it can be: on the CPU every fresh block-sized tensor is fresh pages
     # from the OS, slower to fault in than the arithmetic on them
@@ -200,8 +207,8 @@ def moments_block(samples: Sequence[torch.Tensor], numels: Sequence[int], home: 
     sums = torch.cat((z.sum(1, keepdim=True),
                       (norm / scale).square_(),  # sum(z**2) without another pass
                       z2.mul_(z).sum(1, keepdim=True), m4), dim=1)
-    up = torch.tensor([numel / length for numel, length in zip(numels, lengths)], dtype=dtype)
-    return torch.cat((mean, scale, sums * up.to(home, non_blocking=True).unsqueeze(1)), dim=1)
+    up = host_values([numel / length for numel, length in zip(numels, lengths)], home, dtype)
+    return torch.cat((mean, scale, sums * up.unsqueeze(1)), dim=1)
 
 
 @functools.lru_cache(maxsize=16)
@@ -209,7 +216,7 @@ def _padding_mask(lengths: Tuple[int, ...], device: torch.device) -> torch.Tenso
     """(n, longest) 1 where a row of lengths ``lengths`` holds an element, 0 in its padding:
     the same few layouts come back every detail step, so it is built once each."""
     n = torch.tensor(lengths).unsqueeze(1)
-    return (torch.arange(max(lengths)) < n).to(device)
+    return (torch.arange(max(lengths)) < n).to(device, non_blocking=True)
 
 
 def gradient_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -184,3 +184,26 @@ def test_no_host_sync_on_cuda_under_sync_debug_mode_error(make):
 @pytest.mark.cuda
 def test_fp16_headroom_of_a_float16_model_never_syncs_on_cuda_under_sync_debug_mode_error():
     train_half_model("cuda", cuda_sync_is_an_error)
+
+
+def test_host_values_reach_a_device_by_non_blocking_copies_only():
+    """``torch.tensor`` given a CUDA device copies host memory synchronously (a stream sync,
+    which set_sync_debug_mode("error") refuses and this CPU machine cannot see): gradmon
+    builds such tensors with stats.host_values, a non-blocking copy."""
+    import re
+    from pathlib import Path
+    from gradmon import stats
+    blocking = re.compile(r"torch\.(tensor|as_tensor)\([^()]*(\([^()]*\)[^()]*)*device=")
+    found = [f"{path.name}:{n}" for path in Path(gradmon.__file__).parent.glob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if blocking.search(line)]
+    assert not found, found
+    copies = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._to_copy:
+                copies.append((kwargs or {}).get("non_blocking", False))
+            return func(*args, **(kwargs or {}))
+    with Record():
+        t = stats.host_values([1.0, 2.0], torch.device("meta"), torch.float64)
+    assert t.device.type == "meta" and t.dtype == torch.float64 and copies == [True]
