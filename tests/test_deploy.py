@@ -62,6 +62,9 @@ def test_kubernetes_manifests_have_valid_kinds_and_agree_on_ports_and_labels():
     pod_ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}
     for ep in pm["spec"]["podMetricsEndpoints"]:
         assert ep["port"] in pod_ports and len(ep["port"]) <= 15
+        # a restarted worker keeps its series: instance from the pod's name, never its IP
+        (stable,) = [r for r in ep["relabelings"] if r["targetLabel"] == "instance"]
+        assert stable["sourceLabels"] == ["__meta_kubernetes_pod_name", "__meta_kubernetes_pod_container_port_name"]
     assert sorted(pod_ports.values()) == [9400, 9401]  # GRADMON_PORT + local rank
     cm = docs["ConfigMap"]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
