@@ -62,7 +62,8 @@ def test_no_trainable_parameters_is_a_value_error():
     ({"every": -1}, "every"), ({"every": 0}, "every"), ({"detail_every": 0}, "detail_every"),
     ({"port": 70000}, "port"), ({"port": -1}, "port"), ({"addr": "not an address"}, "addr"),
     ({"labels": {"model": "x"}}, "labels"), ({"labels": {"bad-name": "x"}}, "labels"),
-    ({"include": [""]}, "include"),
+    ({"include": [""]}, "include"), ({"optimizer_sample": 100}, "optimizer_sample"),
+    ({"optimizer_sample": 2 ** 21}, "optimizer_sample"),
 ])
 def test_invalid_option_values_name_the_option(options, option):
     with pytest.raises(ValueError, match=f"'{option}'"):
