@@ -312,13 +312,6 @@ def _adam_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
         torch._foreach_sqrt_(floor)
     else:
         floor, scale = torch._foreach_clamp_min(root, eps * bc2 ** 0.5), bc2
-    if not decoupled and _nonzero(wd):
-        # Adam's L2 decay: g' = ±g + wd·w_{t-1}, which needs A first
-        consumed = None
-    else:
-        consumed = t["g"]  # its sign (maximize) does not change its square
-        q = torch._foreach_div(consumed, floor)
-        ratio = _dots(q, q) * scale
     if "v" in t:
         root = torch._foreach_sqrt(t["v"])  # amsgrad steps with max_exp_avg_sq
     torch._foreach_add_(root, eps * bc2 ** 0.5)
@@ -326,9 +319,11 @@ def _adam_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
     del root
     k = bc2 ** 0.5 / bc1
     moved, weight = _update_sums(a, t["w"], lr, wd if decoupled else 0, k)
-    if consumed is None:
+    if not decoupled and _nonzero(wd):
+        # Adam's L2 decay: g' = ±g + wd·w_{t-1}, which needs A first
         prev = _axpy(t["w"], a, lr * k)  # c = 0: this is w_{t-1}
         consumed = _axpy(t["g"], prev, -wd if maximize else wd)  # ±g' (sign squared away)
-        q = torch._foreach_div(consumed, floor)
-        ratio = _dots(q, q) * scale
-    return torch.stack((moved, weight, ratio), dim=1)
+    else:
+        consumed = t["g"]  # its sign (maximize) does not change its square
+    q = torch._foreach_div(consumed, floor)
+    return torch.stack((moved, weight, _dots(q, q) * scale), dim=1)
