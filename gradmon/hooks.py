@@ -249,6 +249,7 @@ class Recorder:
         self._fresh_backward = False  # self._batched holds this step's gradients
         self._measured_at_step = False
         self._last_step_by_optimizer = False
+        self._last_record: Dict[str, Tuple[torch.Tensor, int, List[Tuple[Statistic, Any]]]] = {}
         self._reset_records()
 
     def _reset_records(self) -> None:
@@ -327,10 +328,19 @@ class Recorder:
             self.overhead += perf_counter() - t0
 
     def _record(self, at: str, key: int, t: torch.Tensor) -> None:
-        """One record of every statistic recorded at ``at``, of the tensor ``t``."""
-        for st in self._at[at]:
-            if st.dtypes is None or t.dtype in st.dtypes:
-                self._records[st.name].add(key, t.numel(), st.record(t))
+        """One record of every statistic recorded at ``at``, of the tensor ``t``. The
+        tensor recorded last at ``at``, recorded again unchanged, reuses its records: a
+        model whose forward returns its last child's output (the logits: an LLM's largest
+        tensor) would otherwise be read twice every step, as a block and as the root."""
+        last = self._last_record.get(at)
+        if last is not None and last[0] is t and last[1] == t._version:
+            made = last[2]
+        else:
+            made = [(st, st.record(t)) for st in self._at[at] if st.dtypes is None or t.dtype in st.dtypes]
+            # one tensor held per moment, until the next record or the end of the pass
+            self._last_record[at] = (t, t._version, made)
+        for st, parts in made:
+            self._records[st.name].add(key, t.numel(), parts)
 
     # -- forward / grad flow -------------------------------------------------------
 
@@ -418,6 +428,7 @@ class Recorder:
         except Exception as exc:
             self.errors.record("forward", exc)
         t0 = perf_counter()
+        self._last_record.clear()
         self._commit(self._each_records(*S.FORWARD), "forward")
         self.overhead += perf_counter() - t0
         if not torch.is_grad_enabled():
@@ -455,6 +466,7 @@ class Recorder:
             return
         for records in self._each_records(S.OUTPUT_GRAD, S.LOCAL_GRAD):
             records.drop_pending()
+        self._last_record.clear()
         self._task = task
         Variable._execution_engine.queue_callback(self._after_backward_queued)
 
@@ -472,6 +484,7 @@ class Recorder:
         t0 = perf_counter()
         try:
             # OUTPUT too: reentrant checkpointing re-runs forwards inside backward
+            self._last_record.clear()
             self._commit(self._records.values(), "backward")
             # Without an accumulated gradient (torch.autograd.grad, .grad assigned by
             # hand later) there is nothing to measure yet: the optimizer step will.

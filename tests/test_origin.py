@@ -234,3 +234,39 @@ def test_the_blocks_of_a_module_list_are_blocks_of_their_own(attach):
     train(model, opt, 5, before=before)
     found = origins(fresh(mon))
     assert found["block"] == ("blocks.2", 4), found
+
+
+class Scaled(nn.Module):
+    """A root whose forward returns its last child's output, changed in place on ``poison``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = blocks(2)
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.poison:
+            out.add_(float("nan"))
+        return out
+
+
+def test_the_root_output_that_is_the_last_block_output_is_read_once_unless_changed_in_place(attach, monkeypatch):
+    from gradmon import stats
+
+    calls = []
+    real = stats.extremes
+    monkeypatch.setattr(stats, "extremes", lambda x: calls.append(x.shape) or real(x))
+    model = Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model)
+    train(model, opt, 3)  # step 1 is a detail step: its activation records hold the extremes
+    calls.clear()
+    train(model, opt, 1)
+    assert len(calls) == 2, calls  # the batch and `net`; the root's record is net's, reused
+    model.poison = True
+    calls.clear()
+    train(model, opt, 1)
+    assert len(calls) == 3, calls  # changed in place after `net` returned: read again
+    found = origins(fresh(mon))
+    assert found["block"] == ("output", 5), found  # `net` was finite; the in-place NaN came after it
