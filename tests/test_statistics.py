@@ -159,3 +159,28 @@ def test_the_names_check_catches_a_renamed_metric_or_rule():
     rule = ('expr: rate(gradmon_steps_total[1m]) > 0 and model_rank:gradmon_grad_global_norm:post_warmup\n'
             'expr: gradmon_grad_global_norms > 1 or model_rank:gradmon_grad_norm:median')
     assert unknown_names(rule, known) == {"gradmon_grad_global_norms", "model_rank:gradmon_grad_norm:median"}
+
+
+def test_parameter_gradient_norms_are_exact_for_large_small_and_strided_tensors_in_order():
+    from gradmon import stats
+
+    torch.manual_seed(0)
+    grads = [torch.randn(300, 200), torch.randn(7), torch.randn(200, 300).t(), torch.randn(5, 4000).double(),
+             torch.randn(64), torch.randn(4096, 8).half()]
+    rows, order = stats.param_grad_stats(grads, torch.device("cpu"))
+    for row, i in zip(rows, order):
+        expected = torch.linalg.vector_norm(grads[i].double())
+        assert float(row[0]) == pytest.approx(float(expected), rel=1e-5), i
+    assert sorted(order) == list(range(len(grads)))
+    grads[0][3, 4] = float("nan")
+    rows, order = stats.param_grad_stats(grads, torch.device("cpu"))
+    assert [float(r[1]) for r, i in zip(rows, order) if i == 0] == [1.0]
+
+
+def test_padded_rows_match_pad_sequence():
+    from gradmon import stats
+
+    pieces = [torch.randn(n) for n in (5, 1, 9, 9, 3)]
+    block = stats.padded_rows(pieces, torch.float64)
+    assert block.dtype == torch.float64
+    assert torch.equal(block, torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True).double())
