@@ -206,7 +206,9 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"sum by ({TARGET}, layer, tensor) (increase({_s(M.NONFINITE)}{{tensor=~\"grad|grad_flow\"}}[{dur(t.nonfinite_window)}])) > 0\n"
               f"or\n"
               f"label_replace(sum by ({TARGET}, layer) (increase({_s(M.LOCAL_NONFINITE)}[{dur(t.nonfinite_window)}])), "
-              f"\"tensor\", \"local_grad\", \"\", \"\") > 0",
+              f"\"tensor\", \"{M.TENSOR_LOCAL_GRAD}\", \"\", \"\") > 0\n"
+              f"or\n"
+              f"{_rank_nonfinite(t)}",
               0),
         Alert("GradmonGradientExplosion", "critical", "Gradient norm exploding",
               f"Pre-clip global gradient norm {{{{ $value | humanize }}}} ({where}): above {th.explode_abs:g}, "
@@ -229,7 +231,8 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
         Alert("GradmonActivationBlowup", "warning", "Activations growing toward overflow",
               f"max|x| of layer {{{{ $labels.layer }}}}'s output is {{{{ $value | humanize }}}} ({where}), "
               f"above {th.activation_abs_max:g} (fp16 overflows at 65504).",
-              f"max by ({TARGET}, layer) ({M.ACTIVATION_ABS_MAX.name}) > {th.activation_abs_max:g}",
+              f"max by ({TARGET}, layer) ({M.ACTIVATION_ABS_MAX.name} or {M.ACTIVATION_ABS_MAX_WORST.name}) "
+              f"> {th.activation_abs_max:g}",
               t.activation_for),
         Alert("GradmonTrainingStalled", "warning", "Training stalled",
               f"No optimizer step for {{{{ $value | humanizeDuration }}}} ({where}) while the run state is "
@@ -364,6 +367,14 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               "in unstable runs the embeddings and first blocks move first, steps before the loss spikes.",
               f"max by ({TARGET}, layer) ({M.GRAD_NORM_BASELINE_RATIO.name}) > {th.norm_baseline_ratio:g}\nand {post}",
               t.norm_ratio_for),
+        Alert("GradmonLocalGradNormAboveBaseline", "warning",
+              "One rank's own gradient of a layer far above that layer's baseline",
+              f"Rank {{{{ $labels.rank }}}}'s own gradient norm of layer {{{{ $labels.layer }}}} (before the all-reduce) "
+              f"is {{{{ $value | humanize }}}}x that layer's median on this rank ({where}), above "
+              f"{th.norm_baseline_ratio:g}x for {dur(t.norm_ratio_for)}: a blow-up in this rank's data that the "
+              "average over ranks hides.",
+              f"max by ({TARGET}, layer) ({M.LOCAL_GRAD_NORM_RATIO_WORST.name}) > {th.norm_baseline_ratio:g}\nand {post}",
+              t.norm_ratio_for),
         Alert("GradmonUpdateRatioAboveBaseline", "warning", "A layer's updates far above their own baseline",
               f"Update-to-weight ratio of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of "
               f"its own recent readings ({where}), above {th.update_baseline_ratio:g}x for {dur(t.update_ratio_for)}.",
@@ -405,7 +416,8 @@ INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("GradmonNonFiniteGradients", ("GradmonGradientExplosion", "GradmonVanishingGradients",
                                    "GradmonRankDivergence", "GradmonActivationBlowup",
                                    "GradmonGradNormSpike", "GradmonGradNormAboveBaseline",
-                                   "GradmonUpdateRatioAboveBaseline", "GradmonAdamRmsSpike", "GradmonGradNormJump")),
+                                   "GradmonUpdateRatioAboveBaseline", "GradmonAdamRmsSpike", "GradmonGradNormJump",
+                                   "GradmonLocalGradNormAboveBaseline")),
     # the critical tier of a spike says everything its warning does
     ("GradmonLossSpikeSevere", ("GradmonLossSpike",)),
     # a diverged loss is the page; its spikes are how it got there
@@ -417,6 +429,19 @@ INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     # a failed rank explains the others that torchrun then kills, or that hang in a collective
     ("GradmonRunFailed", ("GradmonExporterDown", "GradmonRanksMissing", "GradmonTrainingStalled")),
 )
+
+
+def _rank_nonfinite(t: Timing) -> str:
+    """The ranks that export no per-layer counters (the replicas other than data-parallel
+    rank 0): their always-present rank-level counters say that a rank's own gradient went
+    non-finite, and the incident's origin gauge (a gauge: it may first appear mid-run)
+    adds the layer it started in; without an origin yet, the alert fires without a layer."""
+    counts = (f"(sum by ({TARGET}, tensor) (increase({_s(M.RANK_NONFINITE)}"
+              f"{{tensor=~\"{M.TENSOR_GRAD_FLOW}|{M.TENSOR_LOCAL_GRAD}\"}}[{dur(t.nonfinite_window)}])) > 0\n"
+              f"  unless on({TARGET}) ({_s(M.NONFINITE)} or {_s(M.LOCAL_NONFINITE)}))")
+    origin = f"max by ({TARGET}, layer) ({M.NONFINITE_ORIGIN.name}{{tensor=\"{M.TENSOR_GRAD}\"}})"
+    return (f"{counts}\n  * on({TARGET}) group_left(layer) ({origin} * 0 + 1)\n"
+            f"or on({TARGET}, tensor)\n{counts}")
 
 
 def rule_groups(th: Thresholds = Thresholds(), t: Timing = PRODUCTION, interval: Optional[str] = None,
@@ -678,13 +703,26 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
                [(f"max by (job, model) ({LOCAL_GLOBAL_NORM}{{{SEL}}}) / on(job, model) {REC_LOCAL_MEDIAN}{{job=~\"$job\", model=~\"$model\"}}",
                  "{{job}}")], thresholds=[("green", None), (red, th.divergence_factor)]),
         _panel(4, "NaN/Inf by rank", "timeseries", (12, 8, 12, 8),
-               [(f"sum by (rank) (rate({_s(M.NONFINITE)}{{{SEL}}}[$__rate_interval]))", "rank {{rank}}")]),
+               [(f"sum by (rank, tensor) (rate({_s(M.RANK_NONFINITE)}{{{SEL}}}[$__rate_interval]))",
+                 "rank {{rank}} {{tensor}}")],
+               description="Non-finite elements per second on each rank, by tensor (grad, grad_flow, activation, "
+                           "local_grad): every rank exports these counters, per-layer series or not."),
         _panel(5, "Resident memory by rank", "timeseries", (0, 16, 12, 8),
                [(f"{M.PROCESS_RESIDENT_MEMORY.name}{{{PSEL}}}", "rank {{rank}}")], unit="bytes"),
         _panel(6, "CPU by rank", "timeseries", (12, 16, 12, 8),
                [(f"rate({_s(M.PROCESS_CPU_SECONDS)}{{{PSEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
         _panel(7, "gradmon overhead share of wall time", "timeseries", (0, 24, 24, 6),
                [(f"rate({_s(M.OVERHEAD_SECONDS)}{{{SEL}}}[$__rate_interval])", "rank {{rank}}")], unit="percentunit"),
+        _panel(8, "Worst layer's activation max |x| by rank", "timeseries", (0, 30, 12, 8),
+               [(f"{M.ACTIVATION_ABS_MAX_WORST.name}{{{SEL}}}", "rank {{rank}} {{layer}}")], log=True,
+               thresholds=[("green", None), (red, th.activation_abs_max)],
+               description="Each rank's largest layer-output max |x| at its last detail step, labelled with the "
+                           "layer: a blow-up in one rank's data shows here, not on rank 0."),
+        _panel(9, "Worst layer's local norm over its baseline by rank", "timeseries", (12, 30, 12, 8),
+               [(f"{M.LOCAL_GRAD_NORM_RATIO_WORST.name}{{{SEL}}}", "rank {{rank}} {{layer}}")], log=True,
+               thresholds=[("green", None), (red, th.norm_baseline_ratio)],
+               description="Each rank's largest ratio of a layer's own (pre-all-reduce) gradient norm to that "
+                           "layer's median on the rank, labelled with the layer."),
     ], with_layer=False)
     return {"overview": overview, "layers": layers, "ranks": ranks}
 

@@ -161,6 +161,13 @@ class Config:
     stands out, since after the all-reduce every rank holds the same gradient. None
     turns it on when the attached model is wrapped in DistributedDataParallel."""
 
+    all_ranks_per_layer: bool = False
+    """Export per-layer series on every rank of a data-parallel job (DDP, FSDP), not only
+    on data-parallel rank 0. Off, the other ranks export about 50 series each (their own
+    global norm, non-finite counts per tensor, the worst layer's activation max |x| and
+    local-norm ratio, the incident's origin layer), so a 1,000-rank job costs a
+    Prometheus what a few dozen ranks did; on, each rank adds its own per-layer series."""
+
     labels: Mapping[str, str] = field(default_factory=dict)
     """Constant labels added to every series, e.g. ``{"run_id": "exp-42"}``."""
 

@@ -43,6 +43,9 @@ class ExportView:
     """False on ranks other than 0 when every rank holds the same reduced gradient
     (DDP, FSDP): rank 0 carries those per-layer series and the global norm's histogram
     (66 series, the same on every rank), the others only their own."""
+    per_layer: bool = True
+    """False on those other ranks unless ``all_ranks_per_layer``: no per-layer series at
+    all; the rank-level counters, worst-layer gauges and origin series name what matters."""
     failure: Optional[str] = None  # the exception type name of a failed run
 
 
@@ -100,11 +103,16 @@ def add_view(fam: _Families, view: ExportView) -> None:
     for spec, value in s.totals.items():
         fam.add(spec, base, value)
     for series in s.layer_gauges + s.layer_counters:
-        if series.reduced and not view.reduced_per_layer:
+        if not view.per_layer or (series.reduced and not view.reduced_per_layer):
             continue
         labels = _with(base, **series.labels)
         for layer, *kind, value in series.values:
             fam.add(series.spec, _with(labels, layer=layer, **({"kind": kind[0]} if kind else {})), value)
+    for tensor, kind, count, reduced in s.rank_nonfinite:
+        if view.reduced_per_layer or not reduced:
+            fam.add(M.RANK_NONFINITE, _with(base, tensor=tensor, kind=kind), count)
+    for spec, layer, value in s.worst:
+        fam.add(spec, _with(base, layer=layer), value)
     for spec, pairs in ((M.SPIKE_SCORE, s.spike_scores), (M.SPIKE_STEPS, s.spike_steps)):
         for signal, value in pairs:
             fam.add(spec, _with(base, signal=signal), value)

@@ -32,3 +32,18 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> RankInfo:
     except Exception:  # a broken distributed build must not stop attach()
         pass
     return RankInfo(_env_int(environ, "RANK", 0), local, _env_int(environ, "WORLD_SIZE", 1))
+
+
+def data_parallel_rank(model: object, default: int) -> int:
+    """This process's rank in the group that replicates ``model``: the process group of
+    DistributedDataParallel or FSDP (``model.process_group``), so that with pipeline
+    stages or expert groups each stage's own rank 0 is found. ``default`` (the global
+    rank) when the model names no group or the group cannot be asked."""
+    group = getattr(model, "process_group", None)
+    if group is None:
+        return default
+    try:
+        import torch.distributed as dist
+        return int(dist.get_rank(group))
+    except Exception:  # not a process group, or not a member of it
+        return default

@@ -22,6 +22,8 @@ TENSOR_GRAD = "grad"
 TENSOR_GRAD_FLOW = "grad_flow"
 TENSOR_ACTIVATION = "activation"
 TENSOR_KINDS: Tuple[str, ...] = (TENSOR_GRAD, TENSOR_GRAD_FLOW, TENSOR_ACTIVATION)
+#: ``tensor`` label of this rank's own gradient before DDP's all-reduce (gradmon_rank_nonfinite_total).
+TENSOR_LOCAL_GRAD = "local_grad"
 #: ``tensor`` label of the origin series that names a top-level block (or ``input``).
 TENSOR_BLOCK = "block"
 #: ``layer`` label values of that series besides the root module's children.
@@ -124,6 +126,18 @@ GRAD_FP16_UNDERFLOW_FRACTION = _spec("grad_fp16_underflow_fraction", "gauge", ("
                                      "the last detail step (underflows and true zeros alike); float16 layers only.")
 NONFINITE = _spec("nonfinite", "counter", ("layer", "tensor", "kind"),
                   "Non-finite (NaN or Inf) elements seen, by layer, tensor and kind.")
+RANK_NONFINITE = _spec("rank_nonfinite", "counter", ("tensor", "kind"),
+                       "Non-finite elements this rank saw, all layers together, by tensor (grad, grad_flow, "
+                       "activation, local_grad) and kind: on every rank, at 0 from attach, also where per-layer "
+                       "series are off (ranks other than data-parallel rank 0).")
+ACTIVATION_ABS_MAX_WORST = _spec("activation_abs_max_worst", "gauge", ("layer",),
+                                 "The largest max |x| of any layer's output on this rank at its last detail step, "
+                                 "labelled with that layer: on every rank, also where per-layer series are off.")
+LOCAL_GRAD_NORM_RATIO_WORST = _spec("local_grad_norm_baseline_ratio_worst", "gauge", ("layer",),
+                                    "The largest ratio of a layer's own gradient norm on this rank (before DDP's "
+                                    "all-reduce) to that layer's baseline (the median of its last norm_baseline "
+                                    "steps), at the last step, labelled with that layer (local_view; absent until 8 "
+                                    "steps exist; restarted by a learning-rate jump).")
 NONFINITE_ORIGIN = _spec("nonfinite_origin_step", "gauge", ("tensor", "layer"),
                          "First step of the latest run of steps with non-finite gradients, on where it started: the "
                          "first top-level block (or input) in forward order whose output carried new non-finite "

@@ -23,7 +23,7 @@ from . import run_end
 from .config import Config
 from .errors import ErrorLog
 from .hooks import HookSet, Recorder
-from .identity import RankInfo, detect
+from .identity import RankInfo, data_parallel_rank, detect
 from .layers import Layer, discover, has_trainable_parameters, is_ddp, top_blocks, unwrap
 from . import statistics as S
 from .grouping import group_layers
@@ -75,6 +75,7 @@ class Monitor:
         self._final_snapshot = Snapshot()  # what the publisher held last, once it is stopped
         self._labels: Dict[str, str] = {}
         self._reduced_per_layer = True
+        self._per_layer = True
         self._pid = os.getpid()
         self._overhead_before = 0.0  # carried from an earlier monitor of this name (exported only)
         self._overhead_at_detach = 0.0
@@ -271,9 +272,12 @@ class Monitor:
             log.warning("gradmon[%s]: %d layers exceed series_budget=%d; exporting %d module-name-prefix "
                         "groups instead (gradmon_grouped_layers)", self.name, len(layers), cfg.series_budget,
                         len(grouping.names))
-        # Every rank holds the same reduced gradient under DDP/FSDP: rank 0 carries its per-layer series.
-        self._reduced_per_layer = self.rank.rank == 0 or self.rank.world_size == 1 or not (
-            local_view or recorder.sharded)
+        # Every rank holds the same reduced gradient under DDP/FSDP: data-parallel rank 0
+        # carries its per-layer series, and the other replicas none unless asked
+        # (all_ranks_per_layer): what tells them apart fits in a few rank-level series.
+        dp_rank = data_parallel_rank(model, self.rank.rank)
+        self._reduced_per_layer = dp_rank == 0 or self.rank.world_size == 1 or not (local_view or recorder.sharded)
+        self._per_layer = self._reduced_per_layer or cfg.all_ranks_per_layer
         aggregator = Aggregator(grouping.names, recorder.param_layer, statistics, self.name, grouping.of_layer,
                                 self.rank.rank, self._on_incident, amp=cfg.scaler is not None,
                                 tied={layer.index: layer.tied_to for layer in layers if layer.tied_to},
@@ -339,7 +343,7 @@ class Monitor:
             run_state=self._run_state, failure=self._failure,
             info={"version": _version(), "torch_version": torch.__version__,
                   "world_size": str(self.rank.world_size)},
-            reduced_per_layer=self._reduced_per_layer)
+            reduced_per_layer=self._reduced_per_layer, per_layer=self._per_layer)
 
 
 def _fp16_headroom(cfg: Config, layers: Sequence[Layer]) -> bool:

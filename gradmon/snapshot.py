@@ -145,6 +145,8 @@ class Snapshot:
     spike_scores: Tuple[Tuple[str, float], ...] = ()  # signal, score at its last scored step
     spike_steps: Tuple[Tuple[str, int], ...] = ()  # signal, spike steps; every signal that applies
     learning_rates: Tuple[float, ...] = ()  # per param group of the optimizer that closed the last step
+    rank_nonfinite: Tuple[Tuple[str, str, int, bool], ...] = ()  # tensor, kind, count over all layers, reduced
+    worst: Tuple[Tuple[M.MetricSpec, str, float], ...] = ()  # spec, layer, its largest value over layers
 
     @property
     def global_norm(self) -> Optional[float]:
@@ -560,17 +562,25 @@ class Aggregator:
         self.generation += 1
         names = self.layer_names
 
-        gauges, counters = [], []
+        gauges, counters, rank_counts, worst = [], [], [], []
         for f in self.folded.values():
             st = f.stat
             for gauge in st.gauges:
                 values = f.gauges[gauge]
-                gauges.append(LayerSeries(gauge.spec, gauge.labels, st.reduced,
-                                          tuple((names[i], x) for i, x in enumerate(values) if x is not None)))
+                if gauge.per_layer:
+                    gauges.append(LayerSeries(gauge.spec, gauge.labels, st.reduced,
+                                              tuple((names[i], x) for i, x in enumerate(values) if x is not None)))
+                if gauge.worst is not None:
+                    top = _largest(values)
+                    if top is not None:
+                        worst.append((gauge.worst, names[top], values[top]))
             if st.counter is not None and f.cells is not None:
                 counters.append(LayerSeries(st.counter, st.counter_labels, st.reduced, tuple(
                     (names[i], kind, cell[k]) for i, cell in enumerate(f.cells)
                     for k, kind in enumerate(M.NONFINITE_KINDS))))
+                if st.rank_tensor is not None:
+                    rank_counts += [(st.rank_tensor, kind, sum(cell[k] for cell in f.cells), st.reduced)
+                                    for k, kind in enumerate(M.NONFINITE_KINDS)]
         totals = {f.stat.total: f.total for f in self.folded.values()
                   if f.stat.total is not None and f.total is not None}
         totals.update((spec, v) for spec, v in ((M.LOSS, self.loss), (M.LOSS_RUNNING_MIN, self.loss_running_min))
@@ -591,7 +601,16 @@ class Aggregator:
             grouped_layers=len(self.layer_group) - len(self.layer_names),
             amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale,
             spike_scores=tuple(self.spikes.scores.items()), spike_steps=tuple(self.spikes.spikes.items()),
-            learning_rates=self.learning_rates)
+            learning_rates=self.learning_rates, rank_nonfinite=tuple(rank_counts), worst=tuple(worst))
+
+
+def _largest(values: Sequence[Optional[float]]) -> Optional[int]:
+    """Index of the largest value that is a number (NaN and None are not), or None."""
+    best: Optional[int] = None
+    for i, x in enumerate(values):
+        if x is not None and x == x and (best is None or x > values[best]):  # type: ignore[operator]
+            best = i
+    return best
 
 
 _STOP = object()

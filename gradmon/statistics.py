@@ -121,6 +121,12 @@ class LayerGauge:
     jump: Optional[str] = None
     """A spike signal: a step where any layer's value of this (baseline) gauge reaches the
     signal's threshold counts one spike step of it (see ``SpikeTracker.count_jump``)."""
+    worst: Optional[M.MetricSpec] = None
+    """A rank-level gauge of the largest value over layers, labelled with the layer that
+    holds it: exported on every rank, so that a rank without per-layer series still
+    names its worst layer."""
+    per_layer: bool = True
+    """False: the per-layer values only feed ``worst`` and are never exported."""
     restarts: bool = False
     """The baseline is forgotten where the spike windows restart (a learning-rate jump, a
     resumed run): for values that move with the learning rate, whose old median would
@@ -146,6 +152,9 @@ class Statistic:
     counter: Optional[M.MetricSpec] = None
     """Family counting the records' "nan" and "inf" columns, per layer and ``kind``."""
     counter_labels: Mapping[str, str] = field(default_factory=dict)
+    rank_tensor: Optional[str] = None
+    """``tensor`` label of the records' nan/inf sums over all layers in
+    gradmon_rank_nonfinite_total (exported on every rank, per-layer series or not)."""
     origin: Optional[str] = None
     """``tensor`` label under which a non-finite record marks the incident's origin:
     the first layer (or block) in forward order for forward values, whose records must
@@ -191,7 +200,7 @@ class Statistic:
     @property
     def series_per_layer(self) -> int:
         """Series one layer costs: a gauge each, and the nan/inf pair of its counter."""
-        return len(self.gauges) + (len(M.NONFINITE_KINDS) if self.counter is not None else 0)
+        return sum(g.per_layer for g in self.gauges) + (len(M.NONFINITE_KINDS) if self.counter is not None else 0)
 
     def index(self, column: str) -> int:
         return [c.name for c in self.columns].index(column)
@@ -246,7 +255,7 @@ GRAD = Statistic(
     lambda grads, home: stats.param_grad_stats(grads, home),
     gauges=(LayerGauge(M.GRAD_NORM, _norm), LayerGauge(M.GRAD_NORM_BASELINE_RATIO, _norm, baseline="norm_baseline", restarts=True,
                                                     jump=M.SIGNAL_LAYER_GRAD_NORM)),
-    counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD}, origin=M.TENSOR_GRAD,
+    counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD}, rank_tensor=M.TENSOR_GRAD, origin=M.TENSOR_GRAD,
     coverage=M.FAMILY_GRAD, reduced=True, sampled=True,
     total=M.GRAD_GLOBAL_NORM, histogram=M.GRAD_GLOBAL_NORM_DISTRIBUTION, spike=M.SIGNAL_GRAD_NORM)
 
@@ -254,7 +263,8 @@ GRAD_FLOW = Statistic(
     "grad_flow", "grad_flow", OUTPUT_GRAD, ((_GRAD_NORM,), _COUNTS),
     lambda grad: stats.gradient_record(grad),
     gauges=(LayerGauge(M.GRAD_FLOW_NORM, _norm),),
-    counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD_FLOW}, origin=M.TENSOR_GRAD,
+    counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD_FLOW}, rank_tensor=M.TENSOR_GRAD_FLOW,
+    origin=M.TENSOR_GRAD,
     coverage=M.FAMILY_GRAD_FLOW, detail=True)
 
 _EXTREMES = (Column("lo", ABSMAX), Column("hi", ABSMAX))
@@ -263,9 +273,10 @@ ACTIVATION = Statistic(
     "activation", "activations", OUTPUT,
     ((Column("norm", NORM),) + _EXTREMES, _COUNTS),
     lambda output: stats.activation_record(output),
-    gauges=(LayerGauge(M.ACTIVATION_RMS, _rms), LayerGauge(M.ACTIVATION_ABS_MAX, _abs_max),
+    gauges=(LayerGauge(M.ACTIVATION_RMS, _rms), LayerGauge(M.ACTIVATION_ABS_MAX, _abs_max, worst=M.ACTIVATION_ABS_MAX_WORST),
             LayerGauge(M.ACTIVATION_ABS_MAX_RATIO, _abs_max, baseline="activation_baseline")),
-    counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_ACTIVATION}, origin=M.TENSOR_ACTIVATION,
+    counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_ACTIVATION}, rank_tensor=M.TENSOR_ACTIVATION,
+    origin=M.TENSOR_ACTIVATION,
     coverage=M.FAMILY_ACTIVATION, detail=True)
 
 ACTIVATION_KURTOSIS = Statistic(
@@ -295,8 +306,12 @@ FP16_GRAD = Statistic(
 LOCAL = Statistic(
     "local", "local_view", LOCAL_GRAD, ((_GRAD_NORM,), _COUNTS),
     lambda grad: stats.gradient_record(grad),
-    gauges=(LayerGauge(M.LOCAL_GRAD_NORM, _norm),),
-    counter=M.LOCAL_NONFINITE, origin=M.TENSOR_GRAD, total=M.LOCAL_GRAD_GLOBAL_NORM,
+    # the ratio to each layer's own baseline feeds only the worst layer's gauge: a blow-up in
+    # one rank's data that the all-reduce averages away, named on that rank in one series
+    gauges=(LayerGauge(M.LOCAL_GRAD_NORM, _norm),
+            LayerGauge(M.LOCAL_GRAD_NORM_RATIO_WORST, _norm, baseline="norm_baseline", restarts=True,
+                       worst=M.LOCAL_GRAD_NORM_RATIO_WORST, per_layer=False)),
+    counter=M.LOCAL_NONFINITE, rank_tensor=M.TENSOR_LOCAL_GRAD, origin=M.TENSOR_GRAD, total=M.LOCAL_GRAD_GLOBAL_NORM,
     spike=M.SIGNAL_LOCAL_GRAD_NORM)
 
 # Only the extremes: aminmax is one pass with no temporary, cannot overflow (a float32

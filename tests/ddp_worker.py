@@ -28,11 +28,13 @@ def batch(rank: int, step: int, micro: int) -> torch.Tensor:
     return torch.randn(4, 6, generator=g)
 
 
-def train_step(model, opt, rank: int, step: int, loss_scale: float = 1.0, nan: bool = False) -> None:
+def train_step(model, opt, rank: int, step: int, loss_scale: float = 1.0, nan: bool = False,
+               input_scale: float = 1.0) -> None:
     """Two micro-batches, the first under no_sync (gradient accumulation). ``loss_scale``
-    makes this rank's shard behave like one with outsized targets."""
+    makes this rank's shard behave like one with outsized targets, ``input_scale`` like
+    one with outsized inputs (its activations blow up too)."""
     for micro in range(2):
-        x = batch(rank, step, micro)
+        x = batch(rank, step, micro) * input_scale
         if nan:
             x[0, 0] = float("nan")
         ctx = model.no_sync() if micro == 0 else torch.enable_grad()
@@ -68,12 +70,14 @@ def run(rank: int, world: int, work: str, master_port: int, gradmon_port: int, p
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mon = gradmon.attach(model, port=gradmon_port, addr="127.0.0.1", final_scrape_timeout=0, detail_every=1)
     step = 0
-    for phase in plan:  # [{"name":..., "steps":..., "loss_scale_by_rank":..., "nan_rank":..., "delay":...}]
+    # [{"name":..., "steps":..., "loss_scale_by_rank":..., "input_scale_by_rank":..., "nan_rank":..., "delay":...}]
+    for phase in plan:
         for group in opt.param_groups:
             group["lr"] = phase.get("lr", 0.05)
         for _ in range(phase["steps"]):
             train_step(model, opt, rank, step, phase.get("loss_scale_by_rank", {}).get(str(rank), 1.0),
-                       nan=phase.get("nan_rank") == rank and step == phase.get("nan_step"))
+                       nan=phase.get("nan_rank") == rank and step == phase.get("nan_step"),
+                       input_scale=phase.get("input_scale_by_rank", {}).get(str(rank), 1.0))
             step += 1
             time.sleep(phase.get("delay", 0))
         mon.flush()
@@ -149,3 +153,26 @@ def run_until_one_rank_raises(rank: int, world: int, master_port: int, gradmon_p
         train_step(model, opt, rank, step)
         step += 1
         time.sleep(0.02)
+
+
+def run_stages(rank: int, world: int, work: str, master_port: int) -> None:
+    """Two "pipeline stages" of two data-parallel replicas each: ranks {0, 1} and {2, 3}
+    each wrap their model in DDP over their own process group. Writes the exposition."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world)
+    import gradmon
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    model = DDP(make_model(), process_group=groups[rank // 2])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    registry = CollectorRegistry()
+    mon = gradmon.attach(model, registry=registry, final_scrape_timeout=0, detail_every=1)
+    for step in range(3):
+        train_step(model, opt, rank, step)
+    mon.flush()
+    (Path(work) / f"stages.{rank}.txt").write_text(generate_latest(registry).decode())
+    mon.detach()
+    dist.barrier()
+    dist.destroy_process_group()

@@ -74,7 +74,7 @@ NOT_ON_LAYERS = {M.LOCAL_GRAD_NORM.name: "each rank's own view: the Ranks dashbo
 
 def test_every_per_layer_family_of_the_statistics_table_has_a_layers_panel():
     from gradmon import statistics as S
-    families = {g.spec.name for st in S.STATISTICS for g in st.gauges}
+    families = {g.spec.name for st in S.STATISTICS for g in st.gauges if g.per_layer}
     shown = set(re.findall(r"gradmon_\w+", _exprs(BOARDS["layers"]["panels"])))
     assert families - set(NOT_ON_LAYERS) <= shown, families - set(NOT_ON_LAYERS) - shown
 

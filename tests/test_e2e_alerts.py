@@ -181,7 +181,8 @@ def test_nan_pages_once_per_job_not_once_per_layer(stack, outcome):
 JOBS = "(" + "|".join(SCENARIOS) + ")"
 # panels that only a multi-rank DDP job can fill (local, pre-all-reduce norms)
 NEEDS_MULTI_RANK = {("ranks", "Local (pre-all-reduce) norm by rank"),
-                    ("ranks", "Spread across ranks (max / median of local norms)")}
+                    ("ranks", "Spread across ranks (max / median of local norms)"),
+                    ("ranks", "Worst layer's local norm over its baseline by rank")}
 # panels whose families cannot exist in these runs: the demo trains an fp32 model on the CPU,
 # and the fp16 families exist only for float16 layers (test_activation_signals.py checks them)
 CANNOT_EXIST_HERE = {("layers", "fp16 range used"), ("layers", "fp16 gradient underflow fraction")}

@@ -71,7 +71,8 @@ def reference_norms(steps: int):
     return reduced, local
 
 
-def test_ddp_reduced_and_local_views_match_single_process_reference(tmp_path):
+def test_ddp_reduced_and_local_views_match_single_process_reference(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADMON_ALL_RANKS_PER_LAYER", "1")  # rank 1's own per-layer series too (spawn inherits it)
     job = Job(tmp_path, [{"name": "clean", "steps": 3}])
     try:
         ready = job.reached("clean")
@@ -101,19 +102,65 @@ def test_ddp_reduced_and_local_views_match_single_process_reference(tmp_path):
                            else {"loss", "local_grad_norm"})
 
 
-def test_ddp_nan_in_one_ranks_data_is_named_by_that_ranks_local_counters(tmp_path):
-    job = Job(tmp_path, [{"name": "nan", "steps": 4, "nan_rank": 1, "nan_step": 2}])
+def series_count(s) -> int:
+    return len(s)
+
+
+def test_other_ranks_export_few_series_and_name_their_own_blow_up_and_nan_by_layer(tmp_path):
+    """At the defaults rank 1 exports no per-layer series; what only its own data shows (a
+    blow-up, a NaN before the all-reduce averages it) is still named there, with the layer."""
+    job = Job(tmp_path, [{"name": "calm", "steps": 12, "lr": 0.0},  # one lr: a jump restarts the baselines
+                         {"name": "blowup", "steps": 2, "input_scale_by_rank": {"1": 100.0},
+                          "loss_scale_by_rank": {"1": 100.0}, "lr": 0.0},
+                         {"name": "nan", "steps": 3, "nan_rank": 1, "nan_step": 15, "lr": 0.0}])
     try:
-        ready = job.reached("nan")
-        s0, s1 = (scrape(r["url"]) for r in ready)
+        calm = [scrape(r["url"]) for r in job.reached("calm")]
+        job.go("calm")
+        blowup = [scrape(r["url"]) for r in job.reached("blowup")]
+        job.go("blowup")
+        nan = [scrape(r["url"]) for r in job.reached("nan")]
     finally:
         job.finish()
-    assert value(s1, "gradmon_local_nonfinite_total", layer="0", kind="nan") > 0
-    assert all(value(s0, "gradmon_local_nonfinite_total", layer=l, kind=k) == 0
+    s0, s1 = calm
+    assert series_count(s1) <= 100 < series_count(s0), (series_count(s0), series_count(s1))
+    assert not [k for k in s1 if k[0] in ("gradmon_local_grad_norm", "gradmon_activation_abs_max",
+                                          "gradmon_nonfinite_total", "gradmon_local_nonfinite_total")]
+    for tensor in ("local_grad", "grad_flow", "activation"):  # at 0 from the start: increase() sees the first
+        assert value(s1, "gradmon_rank_nonfinite_total", tensor=tensor, kind="nan") == 0
+    assert not [k for k in s1 if k[0] == "gradmon_rank_nonfinite_total" and dict(k[1])["tensor"] == "grad"]
+    # rank 1's data alone blew up: its own worst layer says so, rank 0's does not
+    b0, b1 = blowup
+    worst = {r: [(dict(k[1])["layer"], v) for k, v in s.items() if k[0] == "gradmon_activation_abs_max_worst"]
+             for r, s in enumerate(blowup)}
+    assert len(worst[0]) == len(worst[1]) == 1
+    assert worst[1][0][1] > 10 * worst[0][0][1], worst
+    ratio = {r: [(dict(k[1])["layer"], v) for k, v in s.items() if k[0] == "gradmon_local_grad_norm_baseline_ratio_worst"]
+             for r, s in enumerate(blowup)}
+    assert ratio[1][0][1] > 10 and ratio[0][0][1] < 4, ratio
+    assert ratio[1][0][0] in {"0", "2", "4"}
+    # a NaN in rank 1's data: counted there before the all-reduce, named by its origin layer
+    n0, n1 = nan
+    assert value(n1, "gradmon_rank_nonfinite_total", tensor="local_grad", kind="nan") > 0
+    assert value(n0, "gradmon_rank_nonfinite_total", tensor="local_grad", kind="nan") == 0
+    assert all(value(n0, "gradmon_local_nonfinite_total", layer=l, kind=k) == 0
                for l in ("0", "2", "4") for k in ("nan", "inf"))
-    # after the all-reduce both ranks hold the NaN: only the local view tells them apart
-    assert value(s0, "gradmon_nonfinite_total", layer="0", tensor="grad", kind="nan") > 0  # rank 0 carries it
-    assert value(s1, "gradmon_nonfinite_origin_step", tensor="grad", layer="4") == 3  # last layer, first in backward
+    # after the all-reduce both ranks hold the NaN: rank 0 carries the reduced per-layer counters
+    assert value(n0, "gradmon_nonfinite_total", layer="0", tensor="grad", kind="nan") > 0
+    assert value(n1, "gradmon_nonfinite_origin_step", tensor="grad", layer="4") == 16  # last layer, first in backward
+    assert series_count(n1) <= series_count(s1) + 50
+
+
+def test_data_parallel_rank_0_of_each_stage_carries_the_per_layer_series(tmp_path):
+    mp.start_processes(ddp_worker.run_stages, args=(4, str(tmp_path), free_port()), nprocs=4, join=True,
+                       start_method="spawn")
+    counts = {}
+    for rank in range(4):
+        text = (tmp_path / f"stages.{rank}.txt").read_text()
+        samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+        counts[rank] = (len(samples), any(line.startswith("gradmon_grad_norm{") for line in samples))
+    # ranks 0 and 2 are rank 0 of their stage's DDP group: per-layer series; 1 and 3 a few rank-level ones
+    assert counts[0][1] and counts[2][1] and not counts[1][1] and not counts[3][1], counts
+    assert counts[1][0] <= 100 and counts[3][0] <= 100 and counts[0][0] > 100 and counts[2][0] > 100, counts
 
 
 def test_gradmon_failing_on_one_rank_never_hangs_the_job(tmp_path):
@@ -157,7 +204,7 @@ def test_one_prometheus_scrapes_both_ranks_and_a_diverging_rank_fires_the_rule(t
         prom.stop()
     assert by_rank == {"0", "1"}
     assert [a["metric"]["rank"] for a in firing] == ["1"]
-    assert len(panels) == 2 and all(panels.values()), panels  # the Ranks dashboard's multi-rank panels
+    assert len(panels) == 3 and all(panels.values()), panels  # the Ranks dashboard's multi-rank panels
 
 
 def fsdp_job(work: Path, steps: int, fail_rank: int = -1, world: int = WORLD, replicas: int = 1):

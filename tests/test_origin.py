@@ -270,3 +270,28 @@ def test_the_root_output_that_is_the_last_block_output_is_read_once_unless_chang
     assert len(calls) == 3, calls  # changed in place after `net` returned: read again
     found = origins(fresh(mon))
     assert found["block"] == ("output", 5), found  # `net` was finite; the in-place NaN came after it
+
+
+def test_rank_level_counters_exist_at_zero_from_attach_and_count_every_layer(attach):
+    model = blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model, detail_every=1)
+    s = fresh(mon)
+    for tensor in ("grad", "grad_flow", "activation"):
+        for kind in ("nan", "inf"):
+            assert value(s, "gradmon_rank_nonfinite_total", tensor=tensor, kind=kind) == 0
+
+    def before(step):
+        model[1].broken = step == 2
+
+    train(model, opt, 3, before=before)
+    s = fresh(mon)
+    per_layer = sum(v for (n, ls), v in s.items()
+                    if n == "gradmon_nonfinite_total" and dict(ls)["tensor"] == "activation" and dict(ls)["kind"] == "nan")
+    assert per_layer > 0
+    assert value(s, "gradmon_rank_nonfinite_total", tensor="activation", kind="nan") == per_layer
+    worst = [(dict(ls)["layer"], v) for (n, ls), v in s.items() if n == "gradmon_activation_abs_max_worst"]
+    assert len(worst) == 1  # NaN outputs are no layer's "largest": the worst finite layer is named
+    assert math.isfinite(worst[0][1])
+    highest = max((v, dict(ls)["layer"]) for (n, ls), v in s.items() if n == "gradmon_activation_abs_max" and v == v)
+    assert worst[0] == (highest[1], highest[0])

@@ -48,6 +48,22 @@ CASES = {
         [series("gradmon_local_nonfinite_total", "0 0 5 5 5", rank="3", layer="embed", kind="nan"),
          series("gradmon_local_nonfinite_total", "0x4", rank="0", layer="embed", kind="nan")],
         [alert("GradmonNonFiniteGradients", "3m", ("critical", target(rank="3", layer="embed", tensor="local_grad")))]),
+    "nonfinite_on_a_rank_without_per_layer_series_names_the_layer_it_started_in": (
+        # rank 5 exports only its rank-level counters; the origin gauge appears with the incident
+        [series("gradmon_rank_nonfinite_total", "0 0 4 4 4", rank="5", tensor="local_grad", kind="nan"),
+         series("gradmon_nonfinite_origin_step", "_ _ 120 120 120", rank="5", tensor="grad", layer="blocks.1.fc"),
+         series("gradmon_rank_nonfinite_total", "0x4", rank="6", tensor="local_grad", kind="nan")],
+        [alert("GradmonNonFiniteGradients", "3m",
+               ("critical", target(rank="5", layer="blocks.1.fc", tensor="local_grad")))]),
+    "nonfinite_on_a_rank_without_per_layer_series_fires_without_a_known_origin": (
+        [series("gradmon_rank_nonfinite_total", "0 0 2 2 2", rank="5", tensor="grad_flow", kind="inf")],
+        [alert("GradmonNonFiniteGradients", "3m", ("critical", target(rank="5", tensor="grad_flow")))]),
+    "nonfinite_fires_once_per_layer_on_a_rank_with_per_layer_series": (
+        # rank 0 counts the same NaN per layer and per rank: the per-layer alert alone fires
+        [series("gradmon_local_nonfinite_total", "0 0 5 5 5", rank="0", layer="embed", kind="nan"),
+         series("gradmon_rank_nonfinite_total", "0 0 5 5 5", rank="0", tensor="local_grad", kind="nan"),
+         series("gradmon_nonfinite_origin_step", "_ _ 120 120 120", rank="0", tensor="grad", layer="embed")],
+        [alert("GradmonNonFiniteGradients", "3m", ("critical", target(rank="0", layer="embed", tensor="local_grad")))]),
     "nonfinite_silent_when_counters_stay_at_zero": (
         [series("gradmon_nonfinite_total", "0x10", rank="0", layer="head", tensor="grad", kind="nan")],
         [alert("GradmonNonFiniteGradients", "8m")]),
@@ -76,6 +92,9 @@ CASES = {
     "activation_blowup": (
         [series("gradmon_activation_abs_max", "100x5 40000x5", rank="0", layer="blocks.2.fc")],
         [alert("GradmonActivationBlowup", "9m", ("warning", target(rank="0", layer="blocks.2.fc")))]),
+    "activation_blowup_on_a_rank_without_per_layer_series_names_its_worst_layer": (
+        [series("gradmon_activation_abs_max_worst", "100x5 40000x5", rank="9", layer="blocks.5.attn")],
+        [alert("GradmonActivationBlowup", "9m", ("warning", target(rank="9", layer="blocks.5.attn")))]),
     "no_activation_blowup_for_large_but_normal_activations": (
         [series("gradmon_activation_abs_max", "1000x10", rank="0", layer="blocks.2.fc")],
         [alert("GradmonActivationBlowup", "9m")]),
@@ -263,6 +282,14 @@ CASES.update({
          layer("gradmon_grad_norm_baseline_ratio", "8x9 " + NOISE + "3.5 " + NOISE * 4)],
         [alert("GradmonGradNormAboveBaseline", "9m"), alert("GradmonGradNormAboveBaseline", "18m"),
          alert("GradmonGradNormAboveBaseline", "40m")]),
+    "one_ranks_own_layer_norm_sustained_at_4x_its_baseline_warns_naming_rank_and_layer": (
+        [steps("7"), series("gradmon_local_grad_norm_baseline_ratio_worst", "1x10 1.2x5 6x10", rank="7", layer="blocks.4.mlp"),
+         steps("0"), series("gradmon_local_grad_norm_baseline_ratio_worst", "1.1x25", rank="0", layer="embed")],
+        [alert("GradmonLocalGradNormAboveBaseline", "19m", ("warning", target(rank="7", layer="blocks.4.mlp")))]),
+    "no_local_norm_alert_for_a_noisy_rank_or_in_the_warm_up": (
+        [series("gradmon_steps_total", "0+10x60", rank="3"),
+         series("gradmon_local_grad_norm_baseline_ratio_worst", "8x9 " + NOISE * 4, rank="3", layer="embed")],
+        [alert("GradmonLocalGradNormAboveBaseline", "9m"), alert("GradmonLocalGradNormAboveBaseline", "30m")]),
     "updates_sustained_at_15x_their_own_baseline_warn": (
         [steps(), layer("gradmon_update_ratio_baseline_ratio", "1x20 15x5", "blocks.0.attn")],
         [alert("GradmonUpdateRatioAboveBaseline", "23m", ("warning", target(rank="0", layer="blocks.0.attn")))]),
