@@ -13,11 +13,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="gradmon", description="Gradient-health monitor for PyTorch training jobs.",
-        epilog="Start with `gradmon demo` (options: `gradmon demo --help`). In your own training script: "
-               "`import gradmon; gradmon.attach(model)`.")
+        epilog="Start with `gradmon demo` (options: `gradmon demo --help`) and watch it with `gradmon top`. In your "
+               "own training script: `import gradmon; gradmon.attach(model)`.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.add_argument("command", nargs="?", choices=["demo"], help="demo: train a small model with gradmon attached")
-    known, rest = parser.parse_known_args(argv[:1] if argv and argv[0] == "demo" else argv)
+    parser.add_argument("command", nargs="?", choices=["demo", "top"],
+                        help="demo: train a small model with gradmon attached; top: watch an endpoint in the terminal")
+    known, rest = parser.parse_known_args(argv[:1] if argv and argv[0] in ("demo", "top") else argv)
     if known.version:
         from . import __version__
         print(__version__)
@@ -28,6 +29,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import demo
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         return demo.run(argv[1:])
+    if known.command == "top":
+        from . import top
+        return top.main(argv[1:])
     parser.print_help()
     return 2
 
