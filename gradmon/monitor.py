@@ -152,17 +152,18 @@ class Monitor:
         gradients could only be measured at the optimizer step, after any clipping."""
         return self.snapshot().coverage
 
-    def detach(self) -> None:
+    def detach(self, error: Optional[BaseException] = None) -> None:
         """End the run: remove every hook, stop the publisher and (last user) the HTTP
         server, after the scrapers have seen the final state (final_scrape_timeout). The
         state is "finished", unless an exception is being handled (``detach()`` in a
-        ``finally`` or ``except`` block): then "failed" with its type, or "interrupted".
+        ``finally`` or ``except`` block) or given as ``error`` (a framework's exception
+        hook): then "failed" with its type, or "interrupted" for a Ctrl-C.
 
         Safe from any thread, including gradmon's own publisher thread (a "stop on NaN"
         ``on_nonfinite`` callback), and idempotent: each part of the teardown is undone
         once, and a part that failed is tried again by the next call. A Ctrl-C during the
         final-scrape wait ends the wait, not the teardown; it is re-raised afterwards."""
-        self._end(*run_end.outcome_now())
+        self._end(*(run_end.outcome(error) if error is not None else run_end.outcome_now()))
 
     def _end(self, state: str, failure: Optional[str]) -> None:
         with _LOCK:

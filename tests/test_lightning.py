@@ -112,3 +112,79 @@ def test_norms_equal_lightnings_pre_clip_grad_norm_at_every_step(attach, call, a
                 f"step {step}, layer {layer}: gradmon says {layer_got}, Lightning's grad_norm {layer_want}"
     assert all(v == 0 for (name, _), v in seen.scrapes[-1].items() if name == "gradmon_hook_errors_total")
     assert mon.coverage().measured_at_step == 0  # every step measured at the end of its backward
+
+
+class Recording(Regressor):
+    """Records each micro-batch's loss; raises in training_step at ``fail_at`` (a global batch index)."""
+
+    def __init__(self, fail_at: int = -1) -> None:
+        super().__init__("net")
+        self.losses: List[float] = []
+        self.fail_at = fail_at
+        self.batches = 0
+
+    def training_step(self, batch, batch_idx):
+        if self.batches == self.fail_at:
+            raise ValueError("a bad batch")
+        self.batches += 1
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+
+class ScrapeEachStep(pl.Callback):
+    def __init__(self, gradmon_callback) -> None:
+        self.gm, self.seen, self._step = gradmon_callback, [], 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self._step:
+            self._step = trainer.global_step
+            self.seen.append((trainer.global_step, fresh(self.gm.monitor)))
+
+
+def test_the_lightning_callback_attaches_observes_the_loss_numbers_steps_and_finishes():
+    from gradmon.integrations.lightning import GradmonCallback
+
+    torch.manual_seed(8)
+    accumulate = 2
+    data = torch.utils.data.TensorDataset(torch.randn(8 * STEPS * accumulate, 8), 3 * torch.randn(8 * STEPS * accumulate, 4))
+    module = Recording()
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    seen = ScrapeEachStep(gm)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, accumulate_grad_batches=accumulate,
+                         gradient_clip_val=CLIP, callbacks=[gm, seen], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+
+    assert [step for step, _ in seen.seen] == list(range(1, STEPS + 1))
+    for k, (step, s) in enumerate(seen.seen):
+        assert value(s, "gradmon_step") == step == trainer.global_step - (STEPS - 1 - k)
+        assert value(s, "gradmon_steps_total") == k + 1
+        micro = module.losses[accumulate * k:accumulate * (k + 1)]
+        assert math.isclose(value(s, "gradmon_loss"), sum(micro) / accumulate, rel_tol=1e-6), (k, micro)
+        # pre-clip, accumulated: what Lightning's own grad_norm saw before gradient_clip_val
+        want = module.lightning_norms[k]["grad_2.0_norm_total"]
+        assert want > 4 * CLIP and math.isclose(value(s, "gradmon_grad_global_norm"), want, rel_tol=REL)
+    assert gm.monitor.state == "detached" and gm.monitor._run_state == "finished"
+
+
+def test_the_lightning_callback_ends_a_crashed_fit_as_failed_with_the_exception_type():
+    from gradmon.integrations.lightning import GradmonCallback
+
+    torch.manual_seed(8)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[gm], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="a bad batch"):
+        trainer.fit(Recording(fail_at=3), torch.utils.data.DataLoader(data, batch_size=8))
+    assert gm.monitor.state == "detached"
+    assert (gm.monitor._run_state, gm.monitor._failure) == ("failed", "ValueError")
+
+
+def test_importing_gradmon_imports_no_trainer_library():
+    import subprocess
+    import sys
+    code = "import sys, gradmon; print(sorted(m for m in ('lightning', 'transformers', 'accelerate') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

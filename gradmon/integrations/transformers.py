@@ -1,0 +1,104 @@
+"""gradmon for the Hugging Face ``Trainer``: ``Trainer(..., callbacks=[GradmonCallback()])``.
+
+At train begin it attaches to the model the Trainer trains (``local_view`` on when the
+job has several ranks, since the callback sees the model inside any DDP wrapper). Callbacks
+never receive the loss, so a forward hook reads the ``loss`` field of the model's output on
+training forwards (kept on the device) and, just before each optimizer step, hands the
+step's loss to ``monitor.observe()``: the micro-batches' mean, or their sum where the
+Trainer normalised them by ``num_items_in_batch`` (each is then its share of the step's
+loss), so that ``gradmon_loss`` is the loss the Trainer logs for that step on this rank.
+After each optimizer step ``gradmon_step`` becomes ``state.global_step``; a step an fp16
+GradScaler skipped gets its number with the next step that ran. Train end detaches
+(``finished``); an exception out of ``train()`` ends the run as ``failed`` through
+gradmon's exception hook (callbacks have no exception event).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from transformers import TrainerCallback
+
+from ..monitor import Monitor, attach
+
+log = logging.getLogger("gradmon")
+
+
+def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    """The ``loss`` of a model output (a ``ModelOutput`` or a dict), if it holds one."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+class GradmonCallback(TrainerCallback):
+    """``options`` are :func:`gradmon.attach`'s; the ``GRADMON_*`` variables still win."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+        self.monitor: Optional[Monitor] = None
+        self._hooks: list = []
+        self._sum: Optional[torch.Tensor] = None
+        self._count = 0
+        self._shares = False  # the micro-batch losses are shares of the step's (num_items_in_batch)
+        self._stepped = False
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
+        if model is None or (self.monitor is not None and self.monitor.state != "detached"):
+            return
+        options = dict(self.options)
+        if args.world_size > 1:
+            options.setdefault("local_view", True)
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+        scaler = getattr(optimizer, "scaler", None)  # fp16: the GradScaler that may skip a step
+        if scaler is not None:
+            options.setdefault("scaler", scaler)
+        _warn_unmeasurable(args, model)
+        self.monitor = attach(model, **options)
+        self._hooks = [model.register_forward_hook(self._on_forward, with_kwargs=True)]
+        if isinstance(inner, torch.optim.Optimizer):
+            self._hooks.append(inner.register_step_post_hook(self._on_optimizer_step))
+
+    def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        loss = _loss_of(output)
+        if loss is None:
+            return
+        loss = loss.detach()
+        self._sum = loss if self._sum is None else self._sum + loss
+        self._count += 1
+        self._shares = kwargs.get("num_items_in_batch") is not None
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._stepped = True
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self.monitor is not None and self._sum is not None:
+            self.monitor.observe(loss=self._sum if self._shares else self._sum / self._count)
+        self._sum, self._count = None, 0
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self.monitor is not None and self._stepped:
+            self.monitor.step(state.global_step)
+        self._stepped = False
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.monitor is not None:
+            self.monitor.detach()
+
+
+def _warn_unmeasurable(args: Any, model: torch.nn.Module) -> None:
+    """DeepSpeed ZeRO keeps gradients in its own buffers (``p.grad`` is None) and FSDP1
+    flattens parameters: gradmon's per-layer gradient statistics cannot see them."""
+    if getattr(args, "deepspeed", None):
+        log.warning("gradmon: DeepSpeed ZeRO holds gradients outside p.grad: per-layer gradient norms and their "
+                    "non-finite counts are not measured (gradmon_uncovered_layers{family=\"grad\"}); activations, "
+                    "gradient flow, the loss and the learning rate are.")
+    if any(type(p).__name__ == "FlatParameter" for p in model.parameters()):
+        log.warning("gradmon: FSDP1 flat parameters: per-layer gradient norms are of the flat shards, not of layers; "
+                    "use FSDP2 (fully_shard) for per-layer norms.")
