@@ -68,6 +68,19 @@ class Config:
     port_offset_by_local_rank: bool = True
     """Serve on ``port + LOCAL_RANK`` so several ranks on one node each get a port."""
 
+    ui: bool = True
+    """Serve the live page at ``/`` (and its data at ``/api/``) beside the metrics, with
+    the same TLS and basic auth. It shows layer names, the loss and the learning rate to
+    anyone who can reach the endpoint: turn it off where that matters."""
+
+    ui_history: int = 2000
+    """Optimizer steps the live page can show, kept in the process as float32 (at most
+    16 MB: a model with many layers keeps fewer), only on ranks that export per-layer series."""
+
+    ui_hosts: Tuple[str, ...] = ()
+    """Host names the live page answers to besides IP addresses, ``localhost`` and this
+    machine's own names (a DNS-rebinding guard): e.g. the name of a proxy or a service."""
+
     every: int = 1
     """Publish per-layer gradient norms every N optimizer steps. The non-finite check,
     the global-norm histogram and the step counters still run on every step, so a NaN
@@ -356,6 +369,7 @@ def _validate(cfg: Config) -> None:
     for name in ("every", "detail_every"):
         _in_range(cfg, name, 1, math.inf, "a positive integer number of optimizer steps")
     _in_range(cfg, "optimizer_every", 0, math.inf, "a number of optimizer steps, 0 to turn the optimizer statistics off")
+    _in_range(cfg, "ui_history", 10, 100_000, "a number of optimizer steps in 10..100000")
     if cfg.optimizer_sample != 0:
         _in_range(cfg, "optimizer_sample", 256, 2 ** 20, "0 (every element) or a number of elements in 256..1048576")
     for name in ("include", "exclude"):

@@ -174,7 +174,9 @@ def _deploy_dir() -> str:
 
 def _next_steps(url: str, out) -> None:
     where = _deploy_dir()
+    page = url[:-len("metrics")] if url.endswith("/metrics") else url
     for what, how in (
+            ("watch it", f"open {page} in a browser (the live page, unless GRADMON_UI=0), or run: gradmon top {url}"),
             ("see the metrics", f"curl -s {url} | grep -E '^gradmon_(steps_total|grad_global_norm|nonfinite)'"),
             ("inject a fault", "gradmon demo --fault nan@200   (or explode@STEP, vanish@STEP; "
                                f"add :LAYER, default {DEFAULT_FAULT_LAYER})"),
@@ -244,6 +246,7 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
         say(f"{monitor.error}; nothing to look at, stopping (choose another --port)")
         monitor.detach()
         return 1
+    served = monitor.url
     if monitor.state != "disabled":
         say(f"{len(monitor.layers)} layers, metrics at {monitor.url}")
         _next_steps(monitor.url, out)
@@ -296,4 +299,7 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
             stop.wait(args.hold)
         monitor.detach()
     say(_summary(step, monitor, incidents))
+    if served is not None and monitor.config.ui:
+        say(f"the live page was at {served[:-len('metrics')]} (and gradmon top {served}); "
+            "--hold SECONDS keeps them up after the last step")
     return 0

@@ -16,14 +16,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from . import metrics as M
-from . import process, tls
+from . import process, tls, ui
 from .config import Config
 from .server import CachedExposition, MetricsServer
 from .snapshot import Snapshot
@@ -47,6 +47,7 @@ class ExportView:
     """False on those other ranks unless ``all_ranks_per_layer``: no per-layer series at
     all; the rank-level counters, worst-layer gauges and origin series name what matters."""
     failure: Optional[str] = None  # the exception type name of a failed run
+    history: Optional[Any] = None  # the live page's gradmon.history.History, where kept
 
 
 ExportSource = Callable[[], ExportView]
@@ -177,11 +178,10 @@ class GradmonCollector:
             self._generations.pop(key, None)
             self._retired[key] = final
 
-    def collect(self) -> Iterable[Metric]:
+    def _views(self) -> List[Tuple[ExportView, Callable[[str, BaseException], None]]]:
         with self._lock:
             sources = list(self._sources.values())
             retired = list(self._retired.values())
-        fam = _Families()
         views: List[Tuple[ExportView, Callable[[str, BaseException], None]]] = []
         for source, on_error in sources:
             try:
@@ -190,7 +190,15 @@ class GradmonCollector:
                 on_error("collect", exc)
         live = {tuple(sorted(v.labels.items())) for v, _ in views}
         # a model attached again under the same name and labels replaces its retired view
-        views += [(v, lambda stage, exc: None) for v in retired if tuple(sorted(v.labels.items())) not in live]
+        return views + [(v, lambda stage, exc: None) for v in retired if tuple(sorted(v.labels.items())) not in live]
+
+    def views(self) -> List[ExportView]:
+        """Every model served here, live or retired (the live page's models)."""
+        return [view for view, _ in self._views()]
+
+    def collect(self) -> Iterable[Metric]:
+        fam = _Families()
+        views = self._views()
         process_labels: Optional[Mapping[str, str]] = None
         for view, on_error in views:
             try:
@@ -323,7 +331,8 @@ _ENDPOINTS_LOCK = threading.Lock()
 # all of them: a second model meant to be behind basic auth must never be served
 # without it just because another model opened the port first.
 _SERVING_OPTIONS = ("tls_certfile", "tls_keyfile", "tls_client_cafile", "tls_key_password",
-                    "basic_auth_user", "basic_auth_password", "connection_timeout", "max_connections")
+                    "basic_auth_user", "basic_auth_password", "connection_timeout", "max_connections",
+                    "ui", "ui_hosts")
 _SECRET_OPTIONS = ("tls_key_password", "basic_auth_password")
 
 
@@ -408,7 +417,8 @@ def _serve(cfg: Config, port: int) -> Endpoint:
     auth = (cfg.basic_auth_user, cfg.basic_auth_password) if cfg.basic_auth_user is not None else None
     ep.server = MetricsServer(ep.cache.get, addr=cfg.addr, port=port, tls=context, basic_auth=auth,
                               connection_timeout=cfg.connection_timeout, max_connections=cfg.max_connections,
-                              on_scrape=ep.count_scrape, on_scrape_start=ep.start_scrape)
+                              on_scrape=ep.count_scrape, on_scrape_start=ep.start_scrape,
+                              pages=ui.pages(collector.views) if cfg.ui else None, host_ok=ui.host_check(cfg))
     _warn_about_exposure(cfg)
     log.info("gradmon: serving metrics on %s", ep.url)
     return ep

@@ -27,6 +27,7 @@ from .identity import RankInfo, data_parallel_rank, detect
 from .layers import Layer, discover, has_trainable_parameters, is_ddp, top_blocks, unwrap
 from . import statistics as S
 from .grouping import group_layers
+from .history import History
 from .snapshot import Aggregator, Coverage, NonFiniteIncident, Publisher, Snapshot
 from .spikes import SpikeTracker
 
@@ -76,6 +77,7 @@ class Monitor:
         self._labels: Dict[str, str] = {}
         self._reduced_per_layer = True
         self._per_layer = True
+        self._history: Optional[History] = None
         self._pid = os.getpid()
         self._overhead_before = 0.0  # carried from an earlier monitor of this name (exported only)
         self._overhead_at_detach = 0.0
@@ -279,6 +281,9 @@ class Monitor:
         dp_rank = data_parallel_rank(model, self.rank.rank)
         self._reduced_per_layer = dp_rank == 0 or self.rank.world_size == 1 or not (local_view or recorder.sharded)
         self._per_layer = self._reduced_per_layer or cfg.all_ranks_per_layer
+        # the live page's steps: only where per-layer series are exported and a page is served
+        self._history = History(grouping.names, cfg.ui_history) if (
+            cfg.ui and self._per_layer and cfg.registry is None) else None
         aggregator = Aggregator(grouping.names, recorder.param_layer, statistics, self.name, grouping.of_layer,
                                 self.rank.rank, self._on_incident, amp=cfg.scaler is not None,
                                 tied={layer.index: layer.tied_to for layer in layers if layer.tied_to},
@@ -288,7 +293,8 @@ class Monitor:
                                                     raw_below_zero=(M.SIGNAL_LOSS,),
                                                     jumps={M.SIGNAL_LAYER_GRAD_NORM: cfg.norm_jump_ratio}),
                                 windows={g.baseline: getattr(cfg, g.baseline)
-                                         for st in statistics for g in st.gauges if g.baseline})
+                                         for st in statistics for g in st.gauges if g.baseline},
+                                history=self._history)
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried
@@ -344,7 +350,7 @@ class Monitor:
             run_state=self._run_state, failure=self._failure,
             info={"version": _version(), "torch_version": torch.__version__,
                   "world_size": str(self.rank.world_size)},
-            reduced_per_layer=self._reduced_per_layer, per_layer=self._per_layer)
+            reduced_per_layer=self._reduced_per_layer, per_layer=self._per_layer, history=self._history)
 
 
 def _fp16_headroom(cfg: Config, layers: Sequence[Layer]) -> bool:

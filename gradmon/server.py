@@ -1,4 +1,4 @@
-"""The /metrics HTTP server: TLS, client certificates, basic auth, and nothing else served.
+"""The /metrics HTTP server: TLS, client certificates, basic auth, the live page's few paths.
 
 It knows nothing about where numbers come from: it serves what ``render()`` returns.
 Why not prometheus_client's ``start_http_server``: it has no authentication, answers
@@ -147,9 +147,43 @@ def _close_copy(sock: socket.socket) -> None:
 
 
 @dataclass(frozen=True)
-class _Page:
-    body: Callable[[], bytes]
+class Page:
+    """One path beside the metrics: ``body`` gets the query string. A ``ui`` page is part
+    of the live page: served only to a Host that passes the DNS-rebinding check, at most
+    :data:`UI_RATE` requests a second per client, with headers that forbid framing,
+    inline script and content sniffing."""
+
+    body: Callable[[str], bytes]
     auth: bool  # behind basic auth, like the metrics
+    ctype: str = "text/plain; charset=utf-8"
+    ui: bool = False
+
+
+UI_RATE = 2.0  # requests a second per client address, with a burst of UI_BURST
+UI_BURST = 6  # a page load: the page, its script and style, and its first data request
+UI_HEADERS = (("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'"),
+              ("X-Content-Type-Options", "nosniff"), ("X-Frame-Options", "DENY"),
+              ("Referrer-Policy", "no-referrer"), ("Cache-Control", "no-store"))
+
+
+class _Buckets:
+    """A token bucket per client address for the live page, bounded in size."""
+
+    def __init__(self, rate: float, burst: int, most: int = 256) -> None:
+        self.rate, self.burst, self.most = rate, burst, most
+        self._lock = threading.Lock()
+        self._tokens: Dict[str, Tuple[float, float]] = {}  # address -> (tokens, at)
+
+    def take(self, address: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            tokens, at = self._tokens.pop(address, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - at) * self.rate)
+            if len(self._tokens) >= self.most:
+                self._tokens.pop(next(iter(self._tokens)))  # the least recently seen
+            allowed = tokens >= 1
+            self._tokens[address] = (tokens - 1 if allowed else tokens, now)
+            return allowed
 
 
 @dataclass
@@ -161,7 +195,9 @@ class _Site:
     auth: Optional[bytes]  # the expected Authorization header, or None
     on_scrape_start: Callable[[str], object]  # the scraper's address -> a token for on_scrape
     on_scrape: Callable[[object], None]
-    pages: Dict[str, _Page] = field(default_factory=dict)
+    pages: Dict[str, Page] = field(default_factory=dict)
+    host_ok: Callable[[str], bool] = lambda host: True
+    ui_buckets: _Buckets = field(default_factory=lambda: _Buckets(UI_RATE, UI_BURST))
 
 
 class _Server(socketserver.TCPServer):
@@ -393,7 +429,16 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(401, b"unauthorized\n", headers=(("WWW-Authenticate", 'Basic realm="gradmon"'),))
         if page is None:
             return self._metrics()
-        self._send(200, page.body())
+        if not page.ui:
+            return self._send(200, page.body(""), page.ctype)
+        if not site.host_ok(self.headers.get("Host", "")):
+            return self._send(421, b"this endpoint does not answer to that Host name (see ui_hosts)\n",
+                              headers=UI_HEADERS)
+        if not site.ui_buckets.take(str(self.client_address[0])):
+            return self._send(429, b"too many requests: the live page refreshes every few seconds\n",
+                              headers=(("Retry-After", "1"),) + UI_HEADERS)
+        query = self.target.split("?", 1)[1] if "?" in self.target else ""
+        self._send(200, page.body(query), page.ctype, UI_HEADERS)
 
     def _authorized(self) -> bool:
         expected = self.server.site.auth
@@ -444,14 +489,17 @@ class MetricsServer:
                  basic_auth: Optional[Tuple[str, str]] = None,
                  connection_timeout: float = 10.0, max_connections: int = 64,
                  on_scrape: Callable[[object], None] = lambda token: None,
-                 on_scrape_start: Callable[[str], object] = lambda peer: None) -> None:
+                 on_scrape_start: Callable[[str], object] = lambda peer: None,
+                 pages: Optional[Dict[str, Page]] = None,
+                 host_ok: Callable[[str], bool] = lambda host: True) -> None:
         auth = None
         if basic_auth is not None:
             auth = b"Basic " + base64.b64encode(f"{basic_auth[0]}:{basic_auth[1]}".encode())
         index = b"gradmon: metrics at " + path.encode() + b"\n"
-        pages = {"/": _Page(lambda: index, auth=True), "/healthz": _Page(lambda: b"ok\n", auth=False)}
-        pages.pop(path, None)  # the metrics path is never a page
-        site = _Site(path, render, auth, on_scrape_start, on_scrape, pages)
+        served = {"/": Page(lambda query: index, auth=True), "/healthz": Page(lambda query: b"ok\n", auth=False)}
+        served.update(pages or {})
+        served.pop(path, None)  # the metrics path is never a page
+        site = _Site(path, render, auth, on_scrape_start, on_scrape, served, host_ok)
         self._httpd = _Server((addr, port), site, tls, connection_timeout, connection_cap(max_connections))
         self.addr = addr
         self.port = self._httpd.server_address[1]

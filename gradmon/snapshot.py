@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Callable, Deque, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import metrics as M
+from .history import History
 from . import statistics as S
 from .errors import ErrorLog
 from .spikes import SpikeTracker
@@ -174,6 +175,7 @@ class _Folded:
 
     def __init__(self, stat: Statistic, n: int, windows: Mapping[str, int]) -> None:
         self.stat = stat
+        self.last: Dict[int, List[float]] = {}  # the last step's accumulators per (grouped) layer
         self.gauges: Dict[LayerGauge, List[Optional[float]]] = {g: [None] * n for g in stat.gauges}
         # each baseline gauge's last values per layer, for its rolling median
         self.history: Dict[LayerGauge, List[Deque[float]]] = {
@@ -247,7 +249,8 @@ class Aggregator:
                  layer_group: Optional[Sequence[int]] = None, rank: int = 0,
                  on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False,
                  tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = (),
-                 spikes: Optional[SpikeTracker] = None, windows: Optional[Mapping[str, int]] = None) -> None:
+                 spikes: Optional[SpikeTracker] = None, windows: Optional[Mapping[str, int]] = None,
+                 history: Optional[History] = None) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index; ``tied`` maps a recorder layer without parameters of
@@ -300,6 +303,8 @@ class Aggregator:
         self.generation = 0
         self.loss: Optional[float] = None
         self.loss_running_min: Optional[float] = None
+        self.history = history  # the live page's ring buffers, filled step by step here
+        self._step_loss: Optional[float] = None
         self.spikes = spikes if spikes is not None else SpikeTracker(
             S.spike_signals(self.statistics, reduced_here=True), raw_below_zero=(M.SIGNAL_LOSS,))
 
@@ -367,9 +372,22 @@ class Aggregator:
         if any_bad:
             self.nonfinite_steps += 1
         self._incident(any_bad, packet.global_step)
+        if self.history is not None:
+            self._remember(packet.global_step, any_bad)
         if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
             self.detail_backward_steps += 1
             self._log_gaps_once()
+
+    def _remember(self, step: int, nonfinite: bool) -> None:
+        """One row of the live page's history: the global norm and each layer's gradient
+        norm of this step (the statistic that declares the global norm), loss, first lr."""
+        grad = next((f for f in self.folded.values() if f.stat.histogram is not None), None)
+        norms: Dict[int, float] = {}
+        if grad is not None and grad.last:
+            j = grad.norms[0]
+            norms = {layer: math.sqrt(a[j]) for layer, a in grad.last.items()}
+        self.history.record(step, grad.total if grad is not None else None, self._step_loss,  # type: ignore[union-attr]
+                            self.learning_rates[0] if self.learning_rates else None, nonfinite, norms)
 
     def _fold_scalars(self, values: Sequence[float], packet: StepPacket) -> None:
         """The step scalars; first the learning rates, which restart the spike windows
@@ -385,7 +403,7 @@ class Aggregator:
         if self.spikes.restarts != restarts:
             for folded in self.folded.values():
                 folded.restart()
-        loss = scalars.get(S.SCALAR_LOSS)
+        loss = self._step_loss = scalars.get(S.SCALAR_LOSS)
         if loss is not None:
             self.loss = loss
             if math.isfinite(loss) and (self.loss_running_min is None or loss < self.loss_running_min):
@@ -457,6 +475,7 @@ class Aggregator:
                     self._flags.setdefault((stat.origin, layer), 0)
             if f.cells is not None:
                 bad |= self._count(f.cells, layer, row[f.nan], row[f.inf], stat.origin, stat.forward)
+        f.last = acc
         if stat.coverage:
             self.seen[stat.coverage].update(acc)
         if stat.total is not None:

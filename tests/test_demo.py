@@ -137,6 +137,8 @@ def test_the_demo_says_what_to_do_next_with_its_real_url():
     proc, url = start_demo("--steps", "5")
     out = finish(proc)
     assert f"curl -s {url} | grep" in out
+    assert f"open {url[:-len('metrics')]} in a browser (the live page, unless GRADMON_UI=0), or run: gradmon top {url}" in out
+    assert f"the live page was at {url[:-len('metrics')]}" in out.splitlines()[-1]
     assert "--fault nan@" in out
     rules = re.search(r"alert rules: +(\S+)", out).group(1)
     dashboards = re.search(r"dashboards: +(\S+)/\*\.json", out).group(1)

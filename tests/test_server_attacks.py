@@ -319,11 +319,11 @@ def test_when_every_connection_is_inside_a_request_a_new_one_is_turned_away(serv
 def test_other_paths_cannot_take_the_connections_the_metrics_path_needs(serve):
     """A page added to the endpoint later (as a UI or an API would be) inherits the share of
     connections that paths other than /metrics get: a quarter of the cap."""
-    from gradmon.server import _Page
+    from gradmon.server import Page
     server = serve(max_connections=8, connection_timeout=20)  # cap 8: other paths get 2
     entered, release = threading.Semaphore(0), threading.Event()
 
-    def slow_body() -> bytes:
+    def slow_body(query: str) -> bytes:
         entered.release()
         release.wait(15)
         return b"slow\n"
@@ -334,7 +334,7 @@ def test_other_paths_cannot_take_the_connections_the_metrics_path_needs(serve):
         except OSError:
             pass  # a loaded machine may time this client out: it has held its slot by then
 
-    server._httpd.site.pages["/slow"] = _Page(slow_body, auth=False)
+    server._httpd.site.pages["/slow"] = Page(slow_body, auth=False)
     hogs = [threading.Thread(target=hog) for _ in range(2)]
     for t in hogs:
         t.start()

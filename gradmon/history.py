@@ -1,0 +1,92 @@
+"""The last steps of one monitored model, kept in the process for the live page.
+
+Float32 ring buffers filled on the publisher thread, one row per optimizer step: the
+global gradient norm, the loss, the first group's learning rate, whether the step held
+non-finite values, and every layer's gradient norm. At most :data:`MAX_BYTES`: a model
+with many layers keeps fewer steps. What the page asks for is cut from them on request
+(``since`` a step, the heatmap decimated to :data:`MAX_COLUMNS` columns and
+:data:`MAX_ROWS` rows), under a lock the publisher holds only to write one row.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+MAX_BYTES = 16 * 2 ** 20
+MAX_COLUMNS = 500
+MAX_ROWS = 256
+_SCALARS = ("global_norm", "loss", "lr", "nonfinite")
+
+
+class History:
+    def __init__(self, layers: Sequence[str], steps: int) -> None:
+        width = len(layers)
+        self.layers = tuple(layers)
+        self.capacity = max(1, min(steps, MAX_BYTES // (4 * (width + len(_SCALARS) + 2))))
+        self._steps = torch.zeros(self.capacity, dtype=torch.int64)
+        self._scalars = torch.full((self.capacity, len(_SCALARS)), math.nan)
+        self._norms = torch.full((self.capacity, width), math.nan)
+        self.count = 0  # rows ever written; row k lives at k % capacity
+        self._lock = threading.Lock()
+        # layer -> heatmap row: consecutive layers share a row (its largest norm) past MAX_ROWS
+        rows = min(width, MAX_ROWS)
+        self._band = torch.tensor([i * rows // max(width, 1) for i in range(width)], dtype=torch.int64)
+        self.rows = [self._row_name(r, rows) for r in range(rows)]
+
+    def _row_name(self, row: int, rows: int) -> str:
+        members = [name for i, name in enumerate(self.layers) if i * rows // len(self.layers) == row]
+        return members[0] if len(members) == 1 else f"{members[0]} … {members[-1]} ({len(members)} layers)"
+
+    def record(self, step: int, global_norm: Optional[float], loss: Optional[float], lr: Optional[float],
+               nonfinite: bool, layer_norms: Mapping[int, float]) -> None:
+        row = torch.full((len(self.layers),), math.nan)
+        if layer_norms:
+            row[torch.tensor(list(layer_norms), dtype=torch.int64)] = torch.tensor(list(layer_norms.values()),
+                                                                                 dtype=torch.float32)
+        values = torch.tensor([math.nan if v is None else v for v in (global_norm, loss, lr)] + [float(nonfinite)])
+        with self._lock:
+            i = self.count % self.capacity
+            self._steps[i] = step
+            self._scalars[i] = values
+            self._norms[i] = row
+            self.count += 1
+
+    def document(self, since: Optional[int] = None) -> Dict[str, Any]:
+        """The steps after ``since`` (all kept, when None): scalar series and heatmap columns.
+        Heatmap columns are the kept steps whose position is a multiple of ``every``, so
+        that columns sent in two responses line up; ``every`` grows as steps accumulate."""
+        with self._lock:
+            n = min(self.count, self.capacity)
+            first = self.count - n
+            order = torch.tensor([(first + k) % self.capacity for k in range(n)], dtype=torch.int64)
+            steps = self._steps[order]
+            scalars = self._scalars[order]
+            positions = torch.arange(first, self.count)
+            every = max(1, math.ceil(n / MAX_COLUMNS))
+            columns = order[positions % every == 0]
+            norms = self._norms[columns]
+            column_steps = self._steps[columns]
+        new = steps > since if since is not None else torch.ones(n, dtype=torch.bool)
+        new_columns = column_steps > since if since is not None else torch.ones(len(columns), dtype=torch.bool)
+        out: Dict[str, Any] = {"capacity": self.capacity, "steps": steps[new].tolist()}
+        for j, name in enumerate(_SCALARS):
+            out[name] = _numbers(scalars[new, j], "{:.5g}")
+        heat = norms[new_columns]
+        if len(self.rows) < len(self.layers):  # bands of layers: the largest norm of each
+            banded = torch.full((heat.shape[0], len(self.rows)), -math.inf)
+            banded.scatter_reduce_(1, self._band.expand(heat.shape[0], -1), torch.nan_to_num(heat, nan=-math.inf),
+                                   "amax")
+            heat = banded
+        out["heatmap"] = {"every": every, "rows": self.rows, "steps": column_steps[new_columns].tolist(),
+                          "log10": [_numbers(torch.log10(col), "{:.2f}") for col in heat]}
+        return out
+
+
+def _numbers(values: torch.Tensor, fmt: str) -> List[Optional[float]]:
+    """JSON numbers, shortened by ``fmt``; NaN, infinities and log10(0) become null (the
+    page marks non-finite steps from their own flag)."""
+    return [float(fmt.format(v)) if math.isfinite(v) else None for v in values.tolist()]

@@ -1,0 +1,190 @@
+"""The live page (issue 11, part 1): in a real headless Chromium against a real demo, and its
+data, limits and security headers against a real endpoint."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gradmon
+from browser import Browser, png_colors
+from conftest import parse, scrape, value
+from gradmon import history as H
+from gradmon import ui
+from gradmon.snapshot import Snapshot
+from servers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+STATIC = ROOT / "gradmon" / "static"
+REFRESH_S = 2.0
+
+
+def get(port: int, path: str, host: str = "127.0.0.1", headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", path, headers={"Host": host, **(headers or {})})
+    r = conn.getresponse()
+    body = r.read()
+    conn.close()
+    return r.status, dict(r.getheaders()), body
+
+
+def small() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def train(m: nn.Module, steps: int) -> None:
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(steps):
+        m(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.slow
+def test_the_page_in_a_real_browser_draws_every_layer_and_shows_a_nan_within_two_refreshes(tmp_path):
+    port = free_port()
+    demo = subprocess.Popen([sys.executable, "-m", "gradmon", "demo", "--port", str(port), "--addr", "127.0.0.1",
+                             "--steps", "0", "--step-delay", "0.03", "--fault", "nan@600"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "GRADMON_FINAL_SCRAPE_TIMEOUT": "0"})
+    browser = None
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                s = scrape(url + "/metrics")
+                if value(s, "gradmon_steps_total") >= 20:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the demo did not start"
+            time.sleep(0.3)
+        assert value(s, "gradmon_nonfinite_steps_total") == 0, "the page must be open before the NaN"
+        layers = {dict(k[1])["layer"] for k in s if k[0] == "gradmon_grad_norm"}
+        browser = Browser()
+        browser.open(url + "/")
+        browser.until("document.body.dataset.step && document.getElementById('rows').children.length > 0")
+        names = browser.evaluate("[...document.querySelectorAll('#rows li')].map(li => li.textContent)")
+        assert len(names) == len(layers) and set(names) == layers  # one heatmap row per layer
+        assert int(browser.evaluate("document.getElementById('heatmap').dataset.columns")) > 0
+        assert "started in" not in browser.evaluate("document.getElementById('nonfinite').textContent")
+        # the same page, left open: the NaN the demo injects at step 600 shows within two refreshes
+        deadline = time.monotonic() + 90
+        while value(scrape(url + "/metrics"), "gradmon_nonfinite_steps_total") == 0:
+            assert time.monotonic() < deadline, "the demo's NaN never came"
+            time.sleep(0.1)
+        seen_at = time.monotonic()
+        browser.until("document.getElementById('nonfinite').textContent.includes('started in')",
+                      timeout=2 * REFRESH_S + 1.5)
+        shown = browser.evaluate("document.getElementById('nonfinite').textContent")
+        assert "blocks.1.fc2 at step 600" in shown, shown
+        assert time.monotonic() - seen_at <= 2 * REFRESH_S + 1.5
+        assert png_colors(browser.screenshot(scale=0.25)) > 50  # drawn, not a blank page
+        assert browser.errors == [], browser.errors  # no console error, no uncaught exception
+    finally:
+        if browser is not None:
+            browser.close()
+        demo.terminate()
+        try:
+            demo.wait(30)
+        except subprocess.TimeoutExpired:
+            demo.kill()
+
+
+def test_the_page_is_small_self_contained_and_writes_names_as_text():
+    total = sum(p.stat().st_size for p in STATIC.iterdir())
+    assert total < 300_000
+    html = (STATIC / "index.html").read_text()
+    assert not re.search(r"<script(?![^>]*\bsrc=)", html) and "style=" not in html  # nothing inline (CSP)
+    assert not re.search(r"(src|href)=\"(https?:)?//", html)  # no CDN, no external font
+    js = (STATIC / "app.js").read_text()
+    assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|eval\(", js)
+    assert "textContent" in js
+
+
+def test_the_endpoint_serves_the_page_with_its_headers_and_answers_only_its_own_host_names(attach):
+    m = small()
+    mon = attach(m, port=0, addr="127.0.0.1", ui_hosts=("trainer.internal",))
+    train(m, 12)
+    mon.flush()
+    status, headers, body = get(mon.port, "/")
+    assert status == 200 and b"app.js" in body and headers["Content-Type"].startswith("text/html")
+    assert headers["Content-Security-Policy"] == "default-src 'self'; frame-ancestors 'none'"
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    status, headers, body = get(mon.port, "/api/history?since=5", host=f"localhost:{mon.port}")
+    doc = json.loads(body)
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    assert doc["model"] == "sequential" and doc["history"]["steps"] == list(range(6, 13))
+    assert doc["history"]["heatmap"]["rows"] == ["0", "2"]
+    assert len(doc["history"]["global_norm"]) == 7 and all(v > 0 for v in doc["history"]["global_norm"])
+    assert get(mon.port, "/", host="trainer.internal")[0] == 200
+    for host in ("evil.example", f"evil.example:{mon.port}", ""):  # a rebinding name: no answer
+        status, _, body = get(mon.port, "/api/history", host=host)
+        assert status == 421 and b"sequential" not in body, host
+    assert get(mon.port, "/metrics", host="evil.example")[0] == 200  # Prometheus' scrapes are unaffected
+
+
+def test_the_page_is_behind_basic_auth_rate_limited_and_can_be_turned_off(attach):
+    import base64
+    m = small()
+    mon = attach(m, port=0, addr="127.0.0.1", basic_auth_user="u", basic_auth_password="p")
+    assert get(mon.port, "/")[0] == 401 and get(mon.port, "/api/history")[0] == 401
+    auth = {"Authorization": "Basic " + base64.b64encode(b"u:p").decode()}
+    codes = [get(mon.port, "/api/history", headers=auth)[0] for _ in range(12)]
+    assert codes[0] == 200 and 429 in codes  # a burst of a page load, then 2 requests a second
+    status, headers, _ = get(mon.port, "/api/history", headers=auth)
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert get(mon.port, "/metrics", headers=auth)[0] == 200  # never at the scrapes' expense
+    off = small()
+    mon2 = attach(off, port=free_port(), addr="127.0.0.1", ui=False, name="off")
+    assert get(mon2.port, "/api/history")[0] == 404 and get(mon2.port, "/app.js")[0] == 404
+    status, _, body = get(mon2.port, "/")
+    assert status == 200 and body == b"gradmon: metrics at /metrics\n"
+    assert mon2._history is None
+
+
+def test_history_is_bounded_decimated_and_fits_one_megabyte():
+    layers = [f"blocks.{i}.mlp" for i in range(1000)]
+    hist = H.History(layers, 2000)
+    assert hist.capacity == 2000 and len(hist.rows) == H.MAX_ROWS
+    big = H.History([f"l{i}" for i in range(10_000)], 2000)
+    assert big.capacity * 4 * (10_000 + 6) <= H.MAX_BYTES  # many layers keep fewer steps
+    for step in range(1, 2001):
+        hist.record(step, 1.0 + step, 2.0, 1e-3, step == 777, {i: float(i + 1) for i in range(1000)})
+    doc = hist.document()
+    assert doc["steps"] == list(range(1, 2001)) and doc["nonfinite"][776] == 1.0
+    heat = doc["heatmap"]
+    assert heat["every"] == 4 and len(heat["steps"]) == 500 and all(len(col) == H.MAX_ROWS for col in heat["log10"])
+    # a band of layers shows its largest norm: the last band holds layers 997..1000 (norms up to 1000)
+    assert heat["log10"][0][-1] == 3.0
+    view = types.SimpleNamespace(labels={"model": "big", "rank": "0"}, snapshot=Snapshot(), info={"world_size": "1"},
+                                 run_state="training", failure=None, history=hist)
+    body = ui.history_json([view], "")
+    assert len(body) <= ui.MAX_RESPONSE
+    assert json.loads(body)["history"]["steps"][-1] == 2000
+    later = json.loads(ui.history_json([view], "since=1990"))["history"]
+    assert later["steps"] == list(range(1991, 2001)) and later["heatmap"]["steps"] == [1993, 1997]  # every 4th kept
+
+
+def test_ranks_without_per_layer_series_keep_no_history(monkeypatch, attach):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    m = small()
+    mon = attach(m, port=0, addr="127.0.0.1", local_view=True)
+    train(m, 3)
+    mon.flush()
+    doc = json.loads(get(mon.port, "/api/history")[2])
+    assert mon._history is None and doc["history"] is None and doc["rank"] == "1"
