@@ -132,12 +132,14 @@ RANK_NONFINITE = _spec("rank_nonfinite", "counter", ("tensor", "kind"),
                        "series are off (ranks other than data-parallel rank 0).")
 ACTIVATION_ABS_MAX_WORST = _spec("activation_abs_max_worst", "gauge", ("layer",),
                                  "The largest max |x| of any layer's output on this rank at its last detail step, "
-                                 "labelled with that layer: on every rank, also where per-layer series are off.")
+                                 "labelled with that layer (or with the layer that held the label while it is within "
+                                 "25% of the largest: no new series for near ties): on every rank.")
 LOCAL_GRAD_NORM_RATIO_WORST = _spec("local_grad_norm_baseline_ratio_worst", "gauge", ("layer",),
                                     "The largest ratio of a layer's own gradient norm on this rank (before DDP's "
                                     "all-reduce) to that layer's baseline (the median of its last norm_baseline "
-                                    "steps), at the last step, labelled with that layer (local_view; absent until 8 "
-                                    "steps exist; restarted by a learning-rate jump).")
+                                    "steps), at the last step, labelled with that layer from a ratio of 2 up (below, "
+                                    "no layer stands out and none is named), as the activation one keeps it through "
+                                    "near ties (local_view; absent until 8 steps exist; restarted by an lr jump).")
 NONFINITE_ORIGIN = _spec("nonfinite_origin_step", "gauge", ("tensor", "layer"),
                          "First step of the latest run of steps with non-finite gradients, on where it started: the "
                          "first top-level block (or input) in forward order whose output carried new non-finite "

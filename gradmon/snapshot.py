@@ -304,6 +304,7 @@ class Aggregator:
         self.loss: Optional[float] = None
         self.loss_running_min: Optional[float] = None
         self.history = history  # the live page's ring buffers, filled step by step here
+        self._named: Dict[LayerGauge, int] = {}  # the layer each worst-layer gauge names now
         self._step_loss: Optional[float] = None
         self.spikes = spikes if spikes is not None else SpikeTracker(
             S.spike_signals(self.statistics, reduced_here=True), raw_below_zero=(M.SIGNAL_LOSS,))
@@ -577,6 +578,23 @@ class Aggregator:
 
     # -- snapshot ------------------------------------------------------------------
 
+    def _worst_layer(self, gauge: LayerGauge, values: Sequence[Optional[float]]
+                     ) -> Optional[Tuple[Optional[int], float]]:
+        """(the layer a worst-layer gauge names, or None below its floor; the largest value)."""
+        top = _largest(values)
+        if top is None:
+            return None
+        largest = values[top]
+        if gauge.worst_floor is not None and not largest >= gauge.worst_floor:  # type: ignore[operator]
+            self._named.pop(gauge, None)
+            return None, largest  # type: ignore[return-value]
+        held = self._named.get(gauge)
+        kept = values[held] if held is not None else None
+        if kept is not None and kept == kept and largest <= kept * WORST_TIE:  # type: ignore[operator]
+            top = held
+        self._named[gauge] = top
+        return top, largest  # type: ignore[return-value]
+
     def snapshot(self) -> Snapshot:
         self.generation += 1
         names = self.layer_names
@@ -590,9 +608,9 @@ class Aggregator:
                     gauges.append(LayerSeries(gauge.spec, gauge.labels, st.reduced,
                                               tuple((names[i], x) for i, x in enumerate(values) if x is not None)))
                 if gauge.worst is not None:
-                    top = _largest(values)
+                    top = self._worst_layer(gauge, values)
                     if top is not None:
-                        worst.append((gauge.worst, names[top], values[top]))
+                        worst.append((gauge.worst, names[top[0]] if top[0] is not None else "", top[1]))
             if st.counter is not None and f.cells is not None:
                 counters.append(LayerSeries(st.counter, st.counter_labels, st.reduced, tuple(
                     (names[i], kind, cell[k]) for i, cell in enumerate(f.cells)
@@ -621,6 +639,12 @@ class Aggregator:
             amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale,
             spike_scores=tuple(self.spikes.scores.items()), spike_steps=tuple(self.spikes.spikes.items()),
             learning_rates=self.learning_rates, rank_nonfinite=tuple(rank_counts), worst=tuple(worst))
+
+
+WORST_TIE = 1.25
+"""A layer keeps the name of a worst-layer gauge while the largest value is at most this
+factor above its own: near ties between layers would otherwise make a new series (a new
+``layer`` label) at every scrape."""
 
 
 def _largest(values: Sequence[Optional[float]]) -> Optional[int]:

@@ -125,6 +125,9 @@ class LayerGauge:
     """A rank-level gauge of the largest value over layers, labelled with the layer that
     holds it: exported on every rank, so that a rank without per-layer series still
     names its worst layer."""
+    worst_floor: Optional[float] = None
+    """Below this largest value no layer is named (the ``layer`` label is left out): among
+    layers that are all calm, the largest is noise and would change every scrape."""
     per_layer: bool = True
     """False: the per-layer values only feed ``worst`` and are never exported."""
     restarts: bool = False
@@ -310,7 +313,7 @@ LOCAL = Statistic(
     # one rank's data that the all-reduce averages away, named on that rank in one series
     gauges=(LayerGauge(M.LOCAL_GRAD_NORM, _norm),
             LayerGauge(M.LOCAL_GRAD_NORM_RATIO_WORST, _norm, baseline="norm_baseline", restarts=True,
-                       worst=M.LOCAL_GRAD_NORM_RATIO_WORST, per_layer=False)),
+                       worst=M.LOCAL_GRAD_NORM_RATIO_WORST, worst_floor=2.0, per_layer=False)),
     counter=M.LOCAL_NONFINITE, rank_tensor=M.TENSOR_LOCAL_GRAD, origin=M.TENSOR_GRAD, total=M.LOCAL_GRAD_GLOBAL_NORM,
     spike=M.SIGNAL_LOCAL_GRAD_NORM)
 
