@@ -68,13 +68,21 @@ class Fault:
     kind: str
     step: int
     layer: str
+    rank: Optional[int] = None  # None: every rank
 
     @classmethod
     def parse(cls, spec: str, layers: Sequence[str]) -> "Fault":
         kind, at, rest = spec.partition("@")
-        step_text, _, layer = rest.partition(":")
-        if kind not in KINDS or not at:
-            raise ValueError(f"{spec!r}: expected KIND@STEP[:LAYER] with KIND one of {sorted(KINDS)}")
+        step_text, *more = rest.split(":")
+        ranks = [m for m in more if m.startswith("rank=")]
+        names = [m for m in more if not m.startswith("rank=")]
+        if kind not in KINDS or not at or len(ranks) > 1 or len(names) > 1:
+            raise ValueError(f"{spec!r}: expected KIND@STEP[:LAYER][:rank=R] with KIND one of {sorted(KINDS)}")
+        layer = names[0] if names else ""
+        try:
+            rank = int(ranks[0][len("rank="):]) if ranks else None
+        except ValueError:
+            raise ValueError(f"{spec!r}: rank=R must be a whole number") from None
         try:
             step = int(step_text)
         except ValueError:
@@ -84,7 +92,7 @@ class Fault:
         layer = layer or DEFAULT_FAULT_LAYER
         if layer not in layers:
             raise ValueError(f"{spec!r}: unknown layer {layer!r}; layers: {', '.join(layers)}")
-        return cls(kind, step, layer)
+        return cls(kind, step, layer, rank)
 
     def active(self, step: int) -> bool:
         return step == self.step if self.kind == "nan" else step >= self.step
@@ -137,9 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="demo", help="value of the model label (default 'demo')")
-    p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[:LAYER]",
+    p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[:LAYER][:rank=R]",
                    help=f"inject a fault: KIND is nan (one step), explode or vanish (from STEP on); "
-                        f"LAYER defaults to {DEFAULT_FAULT_LAYER}. Repeatable.")
+                        f"LAYER defaults to {DEFAULT_FAULT_LAYER}; rank=R: on that rank only (--ranks). Repeatable.")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="train as N data-parallel ranks (N processes, DistributedDataParallel over gloo on the CPU), "
+                        "each serving on port + rank (default 1)")
     p.add_argument("--stall-at", type=int, default=None, metavar="STEP",
                    help="stop stepping at STEP but keep the process and endpoint alive (a hung job)")
     p.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
@@ -212,13 +223,78 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
     args = parser.parse_args(argv)
     if args.steps < 0:
         parser.error("--steps must be >= 0")
-    torch.manual_seed(args.seed)
-    model = DemoNet()
-    names = layer_names(model)
+    if not 1 <= args.ranks <= 64:
+        parser.error("--ranks must be in 1..64")
+    names = layer_names(DemoNet())
     try:
         faults = [Fault.parse(spec, names) for spec in args.fault]
     except ValueError as exc:
         parser.error(f"--fault {exc}")
+    if any(f.rank is not None and not 0 <= f.rank < args.ranks for f in faults):
+        parser.error(f"--fault rank=R must name one of the {args.ranks} ranks (0..{args.ranks - 1})")
+    if args.ranks > 1:
+        return _run_ranks(args, out)
+    return _train(args, faults, out)
+
+
+def _run_ranks(args: argparse.Namespace, out) -> int:
+    """N processes on this machine, as torchrun would start them (RANK, LOCAL_RANK,
+    WORLD_SIZE); each serves its own endpoint on port + LOCAL_RANK."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port for the processes to meet on
+        s.bind(("127.0.0.1", 0))
+        master = s.getsockname()[1]
+    print(f"gradmon demo: {args.ranks} ranks (DistributedDataParallel, gloo); rank 0 reports, every rank serves "
+          "its own metrics", file=out, flush=True)
+    try:
+        mp.start_processes(_rank_main, args=(args, master), nprocs=args.ranks, join=True, start_method="spawn")
+    except KeyboardInterrupt:
+        pass
+    except mp.ProcessRaisedException as exc:
+        print(f"gradmon demo: a rank failed: {exc}", file=out, flush=True)
+        return 1
+    return 0
+
+
+def _rank_main(rank: int, args: argparse.Namespace, master: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master}", rank=rank, world_size=args.ranks)
+    try:
+        names = layer_names(DemoNet())
+        faults = [f for f in (Fault.parse(spec, names) for spec in args.fault) if f.rank in (None, rank)]
+        _train(args, faults, sys.stdout if rank == 0 else _Quiet(), rank=rank)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Quiet:
+    """The other ranks' output: only their summary line, prefixed with the rank."""
+
+    def __init__(self) -> None:
+        self.rank = os.environ.get("RANK", "?")
+
+    def write(self, text: str) -> int:
+        if "finished after" in text or "step " in text and "gradient first non-finite" in text:
+            sys.stdout.write(text.replace("gradmon demo:", f"gradmon demo (rank {self.rank}):"))
+        return len(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
+def _train(args: argparse.Namespace, faults: Sequence[Fault], out, rank: Optional[int] = None) -> int:
+    import gradmon
+    from gradmon import config
+
+    torch.manual_seed(args.seed)
+    model: nn.Module = DemoNet()
+    if rank is not None:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
 
     def say(line: str) -> None:
         print(f"gradmon demo: {line}", file=out, flush=True)
@@ -237,7 +313,7 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
         except (TypeError, ValueError) as exc:
             say(str(exc))
             return 2
-        if cfg.port and cfg.registry is None and _port_in_use(cfg.addr, cfg.port):
+        if cfg.port and cfg.registry is None and rank is None and _port_in_use(cfg.addr, cfg.port):
             say(f"port {cfg.port} is in use; serving on a free port instead (choose one with --port)")
             options["port"] = 0
             os.environ.pop(config.env_var("port"), None)  # it would win over port=0; this process is the demo's
@@ -255,8 +331,9 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
     out.flush()
 
     step = 0
+    inner = model.module if rank is not None else model
     for layer in {f.layer for f in faults}:
-        for param in model.get_submodule(layer).parameters(recurse=False):
+        for param in inner.get_submodule(layer).parameters(recurse=False):
             # step + 1: the step being computed, numbered as gradmon and the progress lines count
             param.register_hook(_gradient_fault(faults, layer, lambda: step + 1))
 
@@ -264,6 +341,8 @@ def run(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> int:
     warmup = 50
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     teacher = Teacher(16, 8, torch.Generator().manual_seed(args.seed))
+    if rank:  # each rank its own shard of the data: the same teacher, its own samples
+        teacher.generator = torch.Generator().manual_seed(args.seed + 1000 * rank)
     stop = threading.Event()  # SIGTERM ends the loop, a stall and the hold at once
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     try:

@@ -181,3 +181,37 @@ def test_help_and_version_answer_at_once_without_importing_torch(arg):
         assert "Warning" not in r.stdout + r.stderr.replace("import time:", "")
     assert min(times) < 1.0, times
     assert "gradmon demo" in r.stdout if arg == "--help" else r.stdout.strip() == __import__("gradmon").__version__
+
+
+@pytest.mark.slow
+def test_the_demo_trains_as_several_ranks_and_a_fault_can_target_one():
+    from servers import free_port_range
+    port = free_port_range(2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradmon", "demo", "--ranks", "2", "--port", str(port), "--addr", "127.0.0.1",
+         "--step-delay", "0", "--log-every", "0", "--steps", "40", "--fault", "nan@20:rank=1", "--hold", "15"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=demo_env())
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                ranks = [scrape(f"http://127.0.0.1:{port + r}/metrics") for r in range(2)]
+                if all(value(s, "gradmon_steps_total") >= 40 for s in ranks):
+                    break
+            except (OSError, AssertionError):
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not train"
+            time.sleep(0.3)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    s0, s1 = ranks
+    assert value(s0, "gradmon_world_size") == value(s1, "gradmon_world_size") == 2
+    # the NaN went into rank 1's own gradient only: its local counter, not rank 0's
+    assert value(s1, "gradmon_rank_nonfinite_total", tensor="local_grad", kind="nan") > 0
+    assert value(s0, "gradmon_rank_nonfinite_total", tensor="local_grad", kind="nan") == 0
+    assert [k for k in s0 if k[0] == "gradmon_grad_norm"] and not [k for k in s1 if k[0] == "gradmon_grad_norm"]
+    assert proc.returncode == 0, out
+    assert "2 ranks (DistributedDataParallel, gloo)" in out
+    assert "gradmon demo (rank 1): finished after 40 steps; 1 non-finite step in 1 incident" in out
