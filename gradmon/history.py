@@ -10,9 +10,10 @@ with many layers keeps fewer steps. What the page asks for is cut from them on r
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +32,7 @@ class History:
         self._scalars = torch.full((self.capacity, len(_SCALARS)), math.nan)
         self._norms = torch.full((self.capacity, width), math.nan)
         self.count = 0  # rows ever written; row k lives at k % capacity
+        self._cached: Optional[Tuple[int, Dict[str, Any]]] = None  # (count, the whole window)
         self._lock = threading.Lock()
         # layer -> heatmap row: consecutive layers share a row (its largest norm) past MAX_ROWS
         rows = min(width, MAX_ROWS)
@@ -58,32 +60,53 @@ class History:
     def document(self, since: Optional[int] = None) -> Dict[str, Any]:
         """The steps after ``since`` (all kept, when None): scalar series and heatmap columns.
         Heatmap columns are the kept steps whose position is a multiple of ``every``, so
-        that columns sent in two responses line up; ``every`` grows as steps accumulate."""
+        that columns sent in two responses line up; ``every`` grows as steps accumulate.
+        The whole window is built once per new step that a request sees, whatever the
+        number of clients; each request only cuts its ``since`` from it."""
+        with self._lock:
+            count = self.count
+        cached = self._cached
+        if cached is None or cached[0] != count:
+            cached = self._cached = (count, self._window())
+        return _after(cached[1], since)
+
+    def _window(self) -> Dict[str, Any]:
         with self._lock:
             n = min(self.count, self.capacity)
             first = self.count - n
             order = torch.tensor([(first + k) % self.capacity for k in range(n)], dtype=torch.int64)
             steps = self._steps[order]
             scalars = self._scalars[order]
-            positions = torch.arange(first, self.count)
             every = max(1, math.ceil(n / MAX_COLUMNS))
-            columns = order[positions % every == 0]
-            norms = self._norms[columns]
+            columns = order[torch.arange(first, self.count) % every == 0]
+            heat = self._norms[columns]
             column_steps = self._steps[columns]
-        new = steps > since if since is not None else torch.ones(n, dtype=torch.bool)
-        new_columns = column_steps > since if since is not None else torch.ones(len(columns), dtype=torch.bool)
-        out: Dict[str, Any] = {"capacity": self.capacity, "steps": steps[new].tolist()}
+        out: Dict[str, Any] = {"capacity": self.capacity, "steps": steps.tolist()}
         for j, name in enumerate(_SCALARS):
-            out[name] = _numbers(scalars[new, j], "{:.5g}")
-        heat = norms[new_columns]
+            out[name] = _numbers(scalars[:, j], "{:.5g}")
         if len(self.rows) < len(self.layers):  # bands of layers: the largest norm of each
             banded = torch.full((heat.shape[0], len(self.rows)), -math.inf)
             banded.scatter_reduce_(1, self._band.expand(heat.shape[0], -1), torch.nan_to_num(heat, nan=-math.inf),
                                    "amax")
             heat = banded
-        out["heatmap"] = {"every": every, "rows": self.rows, "steps": column_steps[new_columns].tolist(),
+        out["heatmap"] = {"every": every, "rows": self.rows, "steps": column_steps.tolist(),
                           "log10": [_numbers(torch.log10(col), "{:.2f}") for col in heat]}
         return out
+
+
+def _after(window: Dict[str, Any], since: Optional[int]) -> Dict[str, Any]:
+    """The part of a built window after step ``since``: its lists sliced, never rebuilt."""
+    if since is None:
+        return window
+    k = bisect.bisect_right(window["steps"], since)
+    out = {key: (value[k:] if key in _SERIES else value) for key, value in window.items()}
+    heat = window["heatmap"]
+    c = bisect.bisect_right(heat["steps"], since)
+    out["heatmap"] = {**heat, "steps": heat["steps"][c:], "log10": heat["log10"][c:]}
+    return out
+
+
+_SERIES = ("steps",) + _SCALARS
 
 
 def _numbers(values: torch.Tensor, fmt: str) -> List[Optional[float]]:

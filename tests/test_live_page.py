@@ -188,3 +188,17 @@ def test_ranks_without_per_layer_series_keep_no_history(monkeypatch, attach):
     mon.flush()
     doc = json.loads(get(mon.port, "/api/history")[2])
     assert mon._history is None and doc["history"] is None and doc["rank"] == "1"
+
+
+def test_the_window_is_built_once_per_step_whatever_the_number_of_requests(monkeypatch):
+    hist = H.History(["a", "b"], 100)
+    builds = []
+    real = hist._window
+    monkeypatch.setattr(hist, "_window", lambda: builds.append(1) or real())
+    for step in range(1, 11):
+        hist.record(step, 1.0, 1.0, 0.1, False, {0: 1.0, 1: 2.0})
+    docs = [hist.document(since) for since in (None, 3, 7, 9, None)]
+    assert len(builds) == 1
+    assert [d["steps"] for d in docs[1:4]] == [list(range(4, 11)), [8, 9, 10], [10]]
+    hist.record(11, 1.0, 1.0, 0.1, False, {0: 1.0})
+    assert hist.document(10)["steps"] == [11] and len(builds) == 2

@@ -108,3 +108,20 @@ def test_an_accelerate_loop_with_the_one_line_attach(tmp_path):
                 assert math.isclose(value(s, "gradmon_loss"), sum(micro) / ACCUMULATE, rel_tol=1e-5)
     assert len(norms) == STEPS
     assert monitor._run_state == "finished"
+
+
+def test_the_trainer_callback_warns_where_per_layer_gradients_cannot_be_seen(caplog):
+    import types
+    from gradmon.integrations.transformers import _warn_unmeasurable
+
+    class FlatParameter(torch.nn.Parameter):  # FSDP1's flattened parameters, by name
+        pass
+
+    model = torch.nn.Linear(2, 2)
+    with caplog.at_level("WARNING", logger="gradmon"):
+        _warn_unmeasurable(types.SimpleNamespace(deepspeed="ds_config.json"), model)
+        _warn_unmeasurable(types.SimpleNamespace(deepspeed=None), model)
+        model.weight = FlatParameter(torch.zeros(2, 2))
+        _warn_unmeasurable(types.SimpleNamespace(deepspeed=None), model)
+    text = [r.getMessage() for r in caplog.records]
+    assert len(text) == 2 and "DeepSpeed ZeRO" in text[0] and "FSDP1 flat parameters" in text[1]
