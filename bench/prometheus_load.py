@@ -21,6 +21,7 @@ import math
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -117,16 +118,18 @@ def run(ranks: int, layers: int, minutes: float, interval: str, every: float) ->
     work = Path(tempfile.mkdtemp(prefix="gradmon-load-"))
     rank0 = series_count.exposition(layers, 0, ranks)
     other = series_count.exposition(layers, 1, ranks) if ranks > 1 else rank0
-    base = 20000 + random.Random().randrange(20000)
-    servers = [serve(Template(rank0 if r == 0 else other, r), base + r, r) for r in range(ranks)]
+    # every simulated rank on a port the kernel picks: another run (or a test) may hold any range
+    servers = [serve(Template(rank0 if r == 0 else other, r), 0, r) for r in range(ranks)]
+    targets = [f"127.0.0.1:{server.server_address[1]}" for server in servers]
     (work / "rules.yml").write_text(json.dumps(alerting.rule_groups(alerting.Thresholds(), alerting.PRODUCTION)))
-    port = base + ranks
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [str(work / "rules.yml")],
         "scrape_configs": [
-            {"job_name": "training", "sample_limit": 4000,
-             "static_configs": [{"targets": [f"127.0.0.1:{base + r}" for r in range(ranks)]}]},
+            {"job_name": "training", "sample_limit": 3000, "static_configs": [{"targets": targets}]},
             {"job_name": "prometheus", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
         ],
     }
