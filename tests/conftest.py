@@ -50,6 +50,21 @@ def value(samples: Dict[Key, float], name: str, **labels: str) -> float:
     return hits[0]
 
 
+def tiny() -> torch.nn.Module:
+    """Two Linear layers (``0`` and ``2``) around a Tanh: the smallest model with layers to name."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def sgd_steps(model: torch.nn.Module, steps: int) -> None:
+    """``steps`` SGD steps of ``tiny()`` on random batches."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 @pytest.fixture
 def attach():
     """gradmon.attach on a free loopback port; every monitor is detached after the test."""

@@ -6,6 +6,7 @@ is skipped, except under CI=true, where a missing binary is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -193,3 +194,22 @@ def grafana_substitute(expr: str, **values: str) -> str:
     for name in sorted(values, key=len, reverse=True):
         out = out.replace(f"${name}", values[name])
     return out
+
+
+@contextlib.contextmanager
+def running_demo(port: int, *args: str):
+    """``gradmon demo`` in a subprocess on 127.0.0.1:``port`` until the block ends (stopped
+    with SIGTERM, killed if it lingers); no final-scrape wait."""
+    import sys
+    demo = subprocess.Popen([sys.executable, "-m", "gradmon", "demo", "--port", str(port), "--addr", "127.0.0.1",
+                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "GRADMON_FINAL_SCRAPE_TIMEOUT": "0"})
+    try:
+        yield demo
+    finally:
+        demo.terminate()
+        try:
+            demo.wait(30)
+        except subprocess.TimeoutExpired:
+            demo.kill()
+            demo.wait()

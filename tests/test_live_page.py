@@ -5,25 +5,20 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 import types
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 import gradmon
 from browser import Browser, png_colors
-from conftest import parse, scrape, value
+from conftest import scrape, sgd_steps, tiny, value
 from gradmon import history as H
 from gradmon import ui
 from gradmon.snapshot import Snapshot
-from servers import free_port
+from servers import free_port, running_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 STATIC = ROOT / "gradmon" / "static"
@@ -39,29 +34,11 @@ def get(port: int, path: str, host: str = "127.0.0.1", headers=None):
     return r.status, dict(r.getheaders()), body
 
 
-def small() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def train(m: nn.Module, steps: int) -> None:
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    for _ in range(steps):
-        m(torch.randn(3, 4)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-
 @pytest.mark.slow
 def test_the_page_in_a_real_browser_draws_every_layer_and_shows_a_nan_within_two_refreshes(tmp_path):
     port = free_port()
-    demo = subprocess.Popen([sys.executable, "-m", "gradmon", "demo", "--port", str(port), "--addr", "127.0.0.1",
-                             "--steps", "0", "--step-delay", "0.03", "--fault", "nan@600"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "GRADMON_FINAL_SCRAPE_TIMEOUT": "0"})
-    browser = None
     url = f"http://127.0.0.1:{port}"
-    try:
+    with running_demo(port, "--steps", "0", "--step-delay", "0.03", "--fault", "nan@600"):
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -75,33 +52,28 @@ def test_the_page_in_a_real_browser_draws_every_layer_and_shows_a_nan_within_two
         assert value(s, "gradmon_nonfinite_steps_total") == 0, "the page must be open before the NaN"
         layers = {dict(k[1])["layer"] for k in s if k[0] == "gradmon_grad_norm"}
         browser = Browser()
-        browser.open(url + "/")
-        browser.until("document.body.dataset.step && document.getElementById('rows').children.length > 0")
-        names = browser.evaluate("[...document.querySelectorAll('#rows li')].map(li => li.textContent)")
-        assert len(names) == len(layers) and set(names) == layers  # one heatmap row per layer
-        assert int(browser.evaluate("document.getElementById('heatmap').dataset.columns")) > 0
-        assert "started in" not in browser.evaluate("document.getElementById('nonfinite').textContent")
-        # the same page, left open: the NaN the demo injects at step 600 shows within two refreshes
-        deadline = time.monotonic() + 90
-        while value(scrape(url + "/metrics"), "gradmon_nonfinite_steps_total") == 0:
-            assert time.monotonic() < deadline, "the demo's NaN never came"
-            time.sleep(0.1)
-        seen_at = time.monotonic()
-        browser.until("document.getElementById('nonfinite').textContent.includes('started in')",
-                      timeout=2 * REFRESH_S + 1.5)
-        shown = browser.evaluate("document.getElementById('nonfinite').textContent")
-        assert "blocks.1.fc2 at step 600" in shown, shown
-        assert time.monotonic() - seen_at <= 2 * REFRESH_S + 1.5
-        assert png_colors(browser.screenshot(scale=0.25)) > 50  # drawn, not a blank page
-        assert browser.errors == [], browser.errors  # no console error, no uncaught exception
-    finally:
-        if browser is not None:
-            browser.close()
-        demo.terminate()
         try:
-            demo.wait(30)
-        except subprocess.TimeoutExpired:
-            demo.kill()
+            browser.open(url + "/")
+            browser.until("document.body.dataset.step && document.getElementById('rows').children.length > 0")
+            names = browser.evaluate("[...document.querySelectorAll('#rows li')].map(li => li.textContent)")
+            assert len(names) == len(layers) and set(names) == layers  # one heatmap row per layer
+            assert int(browser.evaluate("document.getElementById('heatmap').dataset.columns")) > 0
+            assert "started in" not in browser.evaluate("document.getElementById('nonfinite').textContent")
+            # the same page, left open: the NaN the demo injects at step 600 shows within two refreshes
+            deadline = time.monotonic() + 90
+            while value(scrape(url + "/metrics"), "gradmon_nonfinite_steps_total") == 0:
+                assert time.monotonic() < deadline, "the demo's NaN never came"
+                time.sleep(0.1)
+            seen_at = time.monotonic()
+            browser.until("document.getElementById('nonfinite').textContent.includes('started in')",
+                          timeout=2 * REFRESH_S + 1.5)
+            shown = browser.evaluate("document.getElementById('nonfinite').textContent")
+            assert "blocks.1.fc2 at step 600" in shown, shown
+            assert time.monotonic() - seen_at <= 2 * REFRESH_S + 1.5
+            assert png_colors(browser.screenshot(scale=0.25)) > 50  # drawn, not a blank page
+            assert browser.errors == [], browser.errors  # no console error, no uncaught exception
+        finally:
+            browser.close()
 
 
 def test_the_page_is_small_self_contained_and_writes_names_as_text():
@@ -116,9 +88,9 @@ def test_the_page_is_small_self_contained_and_writes_names_as_text():
 
 
 def test_the_endpoint_serves_the_page_with_its_headers_and_answers_only_its_own_host_names(attach):
-    m = small()
+    m = tiny()
     mon = attach(m, port=0, addr="127.0.0.1", ui_hosts=("trainer.internal",))
-    train(m, 12)
+    sgd_steps(m, 12)
     mon.flush()
     status, headers, body = get(mon.port, "/")
     assert status == 200 and b"app.js" in body and headers["Content-Type"].startswith("text/html")
@@ -139,7 +111,7 @@ def test_the_endpoint_serves_the_page_with_its_headers_and_answers_only_its_own_
 
 def test_the_page_is_behind_basic_auth_rate_limited_and_can_be_turned_off(attach):
     import base64
-    m = small()
+    m = tiny()
     mon = attach(m, port=0, addr="127.0.0.1", basic_auth_user="u", basic_auth_password="p")
     assert get(mon.port, "/")[0] == 401 and get(mon.port, "/api/history")[0] == 401
     auth = {"Authorization": "Basic " + base64.b64encode(b"u:p").decode()}
@@ -148,7 +120,7 @@ def test_the_page_is_behind_basic_auth_rate_limited_and_can_be_turned_off(attach
     status, headers, _ = get(mon.port, "/api/history", headers=auth)
     assert status == 429 and headers["Retry-After"] == "1"
     assert get(mon.port, "/metrics", headers=auth)[0] == 200  # never at the scrapes' expense
-    off = small()
+    off = tiny()
     mon2 = attach(off, port=free_port(), addr="127.0.0.1", ui=False, name="off")
     assert get(mon2.port, "/api/history")[0] == 404 and get(mon2.port, "/app.js")[0] == 404
     status, _, body = get(mon2.port, "/")
@@ -182,9 +154,9 @@ def test_history_is_bounded_decimated_and_fits_one_megabyte():
 def test_ranks_without_per_layer_series_keep_no_history(monkeypatch, attach):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    m = small()
+    m = tiny()
     mon = attach(m, port=0, addr="127.0.0.1", local_view=True)
-    train(m, 3)
+    sgd_steps(m, 3)
     mon.flush()
     doc = json.loads(get(mon.port, "/api/history")[2])
     assert mon._history is None and doc["history"] is None and doc["rank"] == "1"

@@ -11,25 +11,11 @@ import sys
 import time
 
 import pytest
-import torch
-from torch import nn
 
 import gradmon
+from conftest import sgd_steps, tiny
 from gradmon import alerting, top
-from servers import free_port
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def train(m: nn.Module, steps: int) -> None:
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    for _ in range(steps):
-        m(torch.randn(3, 4)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+from servers import free_port, running_demo
 
 
 class Terminal:
@@ -74,45 +60,34 @@ def field(screen: str, name: str) -> float:
 
 def test_top_in_a_real_terminal_refreshes_names_the_nan_and_quits_on_q():
     port = free_port()
-    demo = subprocess.Popen([sys.executable, "-m", "gradmon", "demo", "--port", str(port), "--addr", "127.0.0.1",
-                             "--steps", "0", "--step-delay", "0.03", "--fault", "nan@250"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "GRADMON_FINAL_SCRAPE_TIMEOUT": "0"})
-    term = None
-    try:
+    with running_demo(port, "--steps", "0", "--step-delay", "0.03", "--fault", "nan@250"):
         term = Terminal(f"gradmon-top-{port}", f"{sys.executable} -m gradmon top http://127.0.0.1:{port}/metrics")
-        first = term.until(lambda s: "model demo" in s and "largest gradient norms" in s and "steps/s" in s)
-        later = term.until(lambda s: "model demo" in s and field(s, "steps") > field(first, "steps") + 20)
-        assert "state training" in later and "ok: all" in later
-        assert "blocks.0.fc1" in later  # a layer of the demo's model, by name
-        # the demo's NaN at step 250: the local check fires and names where it started
-        nan = term.until(lambda s: "!! GradmonNonFiniteGradients" in s, timeout=90)
-        assert "started" in nan and "at step" in nan
-        term.run("send-keys", "-t", term.name, "q")
-        deadline = time.monotonic() + 10
-        while term.alive():
-            assert time.monotonic() < deadline, "q did not quit"
-            time.sleep(0.2)
-    finally:
-        if term is not None:
-            term.close()
-        demo.terminate()
         try:
-            demo.wait(30)
-        except subprocess.TimeoutExpired:
-            demo.kill()
-            demo.wait()
+            first = term.until(lambda s: "model demo" in s and "largest gradient norms" in s and "steps/s" in s)
+            later = term.until(lambda s: "model demo" in s and field(s, "steps") > field(first, "steps") + 20)
+            assert "state training" in later and "ok: all" in later
+            assert "blocks.0.fc1" in later  # a layer of the demo's model, by name
+            # the demo's NaN at step 250: the local check fires and names where it started
+            nan = term.until(lambda s: "!! GradmonNonFiniteGradients" in s, timeout=90)
+            assert "started" in nan and "at step" in nan
+            term.run("send-keys", "-t", term.name, "q")
+            deadline = time.monotonic() + 10
+            while term.alive():
+                assert time.monotonic() < deadline, "q did not quit"
+                time.sleep(0.2)
+        finally:
+            term.close()
 
 
 def test_top_prints_one_plain_frame_over_basic_auth_and_mutual_tls(pki, tmp_path):
     secret = tmp_path / "password"
     secret.write_text("s3cret\n")
-    m = model()
+    m = tiny()
     with gradmon.attach(m, port=0, addr="127.0.0.1", final_scrape_timeout=0, detail_every=1,
                         tls_certfile=str(pki.dir / "server.pem"), tls_keyfile=str(pki.dir / "server.key"),
                         tls_client_cafile=str(pki.dir / "ca.pem"),
                         basic_auth_user="prom", basic_auth_password="s3cret") as mon:
-        train(m, 5)
+        sgd_steps(m, 5)
         mon.flush()
         tls = ["--cacert", str(pki.dir / "ca.pem"), "--cert", str(pki.dir / "client.pem"),
                "--key", str(pki.dir / "client.key"), "--interval", "0.1"]

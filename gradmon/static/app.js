@@ -104,13 +104,17 @@
     $("heatmap").style.height = (names.length * ROW_PX) + "px";  // one list line per row
   }
 
+  // an element holding text (never markup), in red when bad
+  function el(tag, content, bad) {
+    const node = document.createElement(tag);
+    node.textContent = content;
+    if (bad) node.className = "bad";
+    return node;
+  }
+
   function fact(label, value, bad) {
     const span = document.createElement("span");
-    span.append(label + " ");
-    const b = document.createElement("b");
-    b.textContent = value;
-    if (bad) b.className = "bad";
-    span.append(b);
+    span.append(label + " ", el("b", value, bad));
     return span;
   }
 
@@ -129,12 +133,7 @@
 
   function row(cells, bad) {
     const tr = document.createElement("tr");
-    for (const c of cells) {
-      const td = document.createElement("td");
-      td.textContent = c;
-      if (bad) td.className = "bad";
-      tr.append(td);
-    }
+    tr.append(...cells.map((c) => el("td", c, bad)));
     return tr;
   }
 
