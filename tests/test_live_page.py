@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-import gradmon
 from browser import Browser, png_colors
 from conftest import scrape, sgd_steps, tiny, value
 from gradmon import history as H
