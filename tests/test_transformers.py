@@ -125,3 +125,35 @@ def test_the_trainer_callback_warns_where_per_layer_gradients_cannot_be_seen(cap
         _warn_unmeasurable(types.SimpleNamespace(deepspeed=None), model)
     text = [r.getMessage() for r in caplog.records]
     assert len(text) == 2 and "DeepSpeed ZeRO" in text[0] and "FSDP1 flat parameters" in text[1]
+
+
+class Plain(torch.nn.Module):
+    """A model whose forward takes no loss kwargs: the Trainer divides each micro-batch's loss
+    by the accumulation steps itself (no num_items_in_batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(64, 16)
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.embed(input_ids))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def test_the_trainer_callback_averages_micro_batch_losses_for_a_model_without_loss_kwargs(tmp_path):
+    from gradmon.integrations.transformers import GradmonCallback
+
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    seen = ScrapeEachStep(gm)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=ACCUMULATE, logging_steps=1, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=Plain(), args=args, train_dataset=Tokens(32), callbacks=[gm, seen])
+    trainer.train()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    assert len(logged) == len(seen.seen) == 3
+    for want, (step, s) in zip(logged, seen.seen):
+        assert math.isclose(value(s, "gradmon_loss"), want, rel_tol=1e-5), (step, want)
