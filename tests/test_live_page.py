@@ -173,3 +173,17 @@ def test_the_window_is_built_once_per_step_whatever_the_number_of_requests(monke
     assert [d["steps"] for d in docs[1:4]] == [list(range(4, 11)), [8, 9, 10], [10]]
     hist.record(11, 1.0, 1.0, 0.1, False, {0: 1.0})
     assert hist.document(10)["steps"] == [11] and len(builds) == 2
+
+
+def test_several_models_on_one_endpoint_are_listed_and_chosen_by_name(attach):
+    gen, disc = tiny(), tiny()
+    mon = attach(gen, port=0, addr="127.0.0.1", name="generator")
+    other = attach(disc, port=0, addr="127.0.0.1", name="discriminator")  # port=0 twice: one endpoint
+    sgd_steps(gen, 4)
+    sgd_steps(disc, 2)
+    mon.flush()
+    other.flush()
+    doc = json.loads(get(mon.port, "/api/history?model=discriminator")[2])
+    assert {m["model"] for m in doc["models"]} == {"generator", "discriminator"}  # the page's selector
+    assert doc["model"] == "discriminator" and doc["history"]["steps"] == [1, 2]
+    assert json.loads(get(mon.port, "/api/history?model=generator", headers={})[2])["history"]["steps"] == [1, 2, 3, 4]
