@@ -60,7 +60,8 @@ class Endpoint:
     def fetch(self) -> str:
         parts = urllib.parse.urlsplit(self.url)
         user, password = self.user or parts.username, self.password or parts.password
-        netloc = parts.hostname + (f":{parts.port}" if parts.port else "") if parts.hostname else parts.netloc
+        host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
+        netloc = host + (f":{parts.port}" if parts.port else "") if host else parts.netloc  # without user:password@
         request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=netloc)))
         if user is not None:
             token = base64.b64encode(f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password or '')}".encode())

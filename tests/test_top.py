@@ -150,3 +150,24 @@ def test_sparkline_is_log_scaled_and_marks_non_finite_values():
     assert top.sparkline([1, 10, 100]) == "▁▅█"
     assert top.sparkline([1, float("nan"), 1000, None]) == "▁!█ "
     assert top.sparkline([5, 5]) == "▁▁"
+
+
+def test_top_reads_an_ipv6_endpoint_with_credentials_in_the_url():
+    import socket
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    m = tiny()
+    try:
+        mon = gradmon.attach(m, port=0, addr="::1", final_scrape_timeout=0, basic_auth_user="prom",
+                             basic_auth_password="s3cret")
+    except OSError:
+        pytest.skip("cannot bind ::1 here")
+    try:
+        sgd_steps(m, 2)
+        mon.flush()
+        url = mon.url.replace("http://", "http://prom:s3cret@")
+        out = io.StringIO()
+        assert top.main([url, "--once", "--interval", "0.1"], out=out) == 0, out.getvalue()
+        assert "model sequential  rank 0" in out.getvalue()
+    finally:
+        mon.detach()
