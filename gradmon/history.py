@@ -36,12 +36,12 @@ class History:
         self._lock = threading.Lock()
         # layer -> heatmap row: consecutive layers share a row (its largest norm) past MAX_ROWS
         rows = min(width, MAX_ROWS)
-        self._band = torch.tensor([i * rows // max(width, 1) for i in range(width)], dtype=torch.int64)
-        self.rows = [self._row_name(r, rows) for r in range(rows)]
-
-    def _row_name(self, row: int, rows: int) -> str:
-        members = [name for i, name in enumerate(self.layers) if i * rows // len(self.layers) == row]
-        return members[0] if len(members) == 1 else f"{members[0]} … {members[-1]} ({len(members)} layers)"
+        band = [i * rows // max(width, 1) for i in range(width)]
+        self._band = torch.tensor(band, dtype=torch.int64)
+        members: List[List[str]] = [[] for _ in range(rows)]
+        for name, row in zip(self.layers, band):
+            members[row].append(name)
+        self.rows = [m[0] if len(m) == 1 else f"{m[0]} … {m[-1]} ({len(m)} layers)" for m in members]
 
     def record(self, step: int, global_norm: Optional[float], loss: Optional[float], lr: Optional[float],
                nonfinite: bool, layer_norms: Mapping[int, float]) -> None:

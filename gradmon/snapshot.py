@@ -387,6 +387,7 @@ class Aggregator:
         if grad is not None and grad.last:
             j = grad.norms[0]
             norms = {layer: math.sqrt(a[j]) for layer, a in grad.last.items()}
+            grad.last = {}  # a later step without gradient records gets an empty row, not these
         self.history.record(step, grad.total if grad is not None else None, self._step_loss,  # type: ignore[union-attr]
                             self.learning_rates[0] if self.learning_rates else None, nonfinite, norms)
 
