@@ -197,6 +197,14 @@ def _graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def _empty_shard(p: Optional[torch.Tensor], flat: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This rank's (empty) part of an FSDP1 parameter held wholly by other ranks, when its
+    unit received a gradient in this backward."""
+    if p is None or flat is None or flat.grad is None:
+        return None
+    return torch.zeros(0, dtype=flat.grad.dtype, device=flat.grad.device)
+
+
 class Recorder:
     """Per-step state of one monitor on the training thread: device tensors and small lists.
 
@@ -206,7 +214,8 @@ class Recorder:
     """
 
     def __init__(self, layers: Sequence[Layer], cfg: Config, errors: ErrorLog,
-                 publish: Callable[[object], None], statistics: Sequence[Statistic] = (S.GRAD,)) -> None:
+                 publish: Callable[[object], None], statistics: Sequence[Statistic] = (S.GRAD,),
+                 flat_units: Sequence[sharded.FlatUnit] = ()) -> None:
         self.cfg = cfg
         self.statistics = tuple(statistics)
         self._at: Dict[str, Tuple[Statistic, ...]] = {
@@ -222,8 +231,13 @@ class Recorder:
             self._slots += [(weakref.ref(layer.module), names[id(p)]) for p in layer.params]
         self.param_layer: Tuple[int, ...] = tuple(layer.index for layer in layers for _ in layer.params)
         params = self.current_params()
-        self._shard_groups = sharded.plan(params)
+        self._shard_groups = sharded.plan(params, flat_units)
         self.sharded = bool(self._shard_groups)
+        # FSDP1: a parameter lying wholly on other ranks has no local gradient, yet its row
+        # must join the step's all-reduce for this rank to learn its norm
+        flat_of = {id(p): unit.flat_param for unit in flat_units for p in unit.params}
+        self._flat_of: Dict[int, weakref.ref] = {i: weakref.ref(flat_of[id(p)]) for i, p in enumerate(params)
+                                                 if p is not None and id(p) in flat_of}
         self._param_hooks: List[Any] = []
         self._hooked: List[Optional[weakref.ref]] = []
         self._measure_failed = False
@@ -248,7 +262,8 @@ class Recorder:
         self._accumulated = False  # autograd accumulated a monitored gradient in this backward
         self._fresh_backward = False  # self._batched holds this step's gradients
         self._measured_at_step = False
-        self._last_step_by_optimizer = False
+        self._last_closed: Optional[str] = None  # who closed the last step: optimizer, scaler, manual
+        self._found_inf: Optional[torch.Tensor] = None  # a fused optimizer's overflow flag, this step
         self._last_record: Dict[str, Tuple[torch.Tensor, int, List[Tuple[Statistic, Any]]]] = {}
         self._reset_records()
 
@@ -509,6 +524,8 @@ class Recorder:
         grads: List[torch.Tensor] = []
         for i, p in enumerate(self.current_params()):
             g = p.grad if p is not None else None
+            if g is None and i in self._flat_of:
+                g = _empty_shard(p, self._flat_of[i]())
             if g is not None:
                 present.append(i)
                 # a shard's own elements, summed at the step (a plain tensor is its own)
@@ -538,7 +555,7 @@ class Recorder:
 
     def _step_scalars(self, scale: Optional[torch.Tensor]) -> Tuple[Tuple[str, ...], List[torch.Tensor]]:
         """The step scalars of this step, names and 0-d device tensors, in packet order."""
-        named = ((S.SCALAR_AMP_SCALE, scale),
+        named = ((S.SCALAR_AMP_SCALE, scale), (S.SCALAR_AMP_FOUND_INF, self._found_inf),
                  (S.SCALAR_LOSS, self._loss_sum / self._loss_count if self._loss_sum is not None else None),
                  *((S.learning_rate_scalar(group), lr.detach().reshape(()))
                    for group, lr in enumerate(self._learning_rates) if isinstance(lr, torch.Tensor)))
@@ -593,6 +610,10 @@ class Recorder:
             gs = _optimizer_step_value(opt)
             # every step, whatever optimizer_every says: floats are free, tensors are packed
             self._learning_rates = tuple(group.get("lr") for group in opt.param_groups)
+            # A fused optimizer is stepped even on overflow, with the scaler's flag, and applies
+            # nothing: the flag rides in the packet (reading it here would sync the device).
+            found = getattr(opt, "found_inf", None)
+            self._found_inf = found.detach().reshape(()).float() if isinstance(found, torch.Tensor) else None
         except Exception as exc:
             self.errors.record("step", exc)
             return
@@ -647,11 +668,13 @@ class Recorder:
     def manual_step(self, global_step: Optional[int]) -> None:
         if not self.active:
             return
-        if self._last_step_by_optimizer and not self._fresh_backward and self.steps:
-            # The optimizer hook already published this step; only its number changes.
+        if self._last_closed in ("optimizer", "scaler") and not self._fresh_backward:
+            # The optimizer hook already published this step, or the scaler skipped it (a
+            # trainer counts it all the same); only the number changes, and the next step
+            # follows it.
             if global_step is not None:
                 self.step_offset = global_step - self.steps
-                self.publish(GlobalStepUpdate(global_step))
+                self.publish(GlobalStepUpdate(global_step, skipped=self._last_closed == "scaler"))
             return
         if not self._fresh_backward:
             t0 = perf_counter()
@@ -683,6 +706,7 @@ class Recorder:
         except Exception as exc:
             self.errors.record("step", exc)
         finally:
+            self._last_closed = "scaler"
             self._close_step()
             self.overhead += perf_counter() - t0
 
@@ -707,7 +731,7 @@ class Recorder:
         except Exception as exc:  # pragma: no cover - SimpleQueue.put does not fail
             self.errors.record("step", exc)
         self._close_step()
-        self._last_step_by_optimizer = by_optimizer
+        self._last_closed = "optimizer" if by_optimizer else "manual"
         self.steps += 1
         self.detail_now = self.steps % self.cfg.detail_every == 0
         try:
@@ -718,6 +742,7 @@ class Recorder:
 
     def _close_step(self) -> None:
         self._batched = {}
+        self._found_inf = None
         self._learning_rates = ()
         self._scale = None
         self._measure_failed = False

@@ -89,16 +89,29 @@ def _name_selected(name: str, cfg: Config) -> bool:
     return not any(fnmatch.fnmatchcase(name, p) for p in cfg.exclude)
 
 
+# Wrappers that FSDP1 and activation checkpointing insert between a module and its
+# parent: their names are not the ones users know (FSDP's own named_parameters drops them).
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def clean_name(qname: str) -> str:
+    return ".".join(part for part in qname.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
 def discover(model: nn.Module, cfg: Config) -> List[Layer]:
     """The monitored layers of ``model``, in ``named_modules()`` (roughly forward) order."""
     _check_type_names(model, cfg.layer_types)
     owner: Dict[int, str] = {}  # id(parameter) -> name of the first module holding it
     layers: List[Layer] = []
+    taken = set()
     for qname, module in model.named_modules():
         own = [p for p in module._parameters.values() if p is not None and p.requires_grad]
         if not own:
             continue  # a container, or a frozen layer
-        name = qname or ROOT_LABEL
+        name = clean_name(qname) or ROOT_LABEL
+        if name in taken:  # a wrapper and what it wraps both own parameters: keep them apart
+            name = qname
+        taken.add(name)
         unclaimed = tuple(p for p in own if id(p) not in owner)
         tied_to = None if unclaimed else owner[id(own[0])]
         for p in own:

@@ -19,7 +19,7 @@ from torch import nn
 from . import config as _config
 from . import exporter
 from . import metrics as M
-from . import run_end
+from . import run_end, sharded
 from .config import Config
 from .errors import ErrorLog
 from .hooks import HookSet, Recorder
@@ -154,6 +154,13 @@ class Monitor:
         gradients could only be measured at the optimizer step, after any clipping."""
         return self.snapshot().coverage
 
+    def _add_limit(self, text: str) -> None:
+        """For an integration that knows more than the model shows (DeepSpeed behind a
+        Trainer): log a limit of coverage and add it to ``coverage().limits``."""
+        log.warning("gradmon[%s]: %s", self.name, text)
+        if self._publisher is not None:
+            self._publisher.add_limit(text)
+
     def detach(self, error: Optional[BaseException] = None) -> None:
         """End the run: remove every hook, stop the publisher and (last user) the HTTP
         server, after the scrapers have seen the final state (final_scrape_timeout). The
@@ -269,7 +276,11 @@ class Monitor:
         local_view = cfg.local_view if cfg.local_view is not None else is_ddp(model)
         statistics = S.enabled(cfg, local_view=local_view, fp16_headroom=_fp16_headroom(cfg, layers))
         blocks = top_blocks(inner)
-        recorder = Recorder(layers, cfg, self._errors, self._publish, statistics)
+        units = sharded.fsdp1_units(model)
+        recorder = Recorder(layers, cfg, self._errors, self._publish, statistics, units)
+        limits = sharded.limits(units)
+        for text in limits:
+            log.warning("gradmon[%s]: %s", self.name, text)
         grouping = group_layers(self._layer_names, S.series_per_layer(statistics), cfg.series_budget)
         if grouping.grouped_layers:
             log.warning("gradmon[%s]: %d layers exceed series_budget=%d; exporting %d module-name-prefix "
@@ -294,7 +305,7 @@ class Monitor:
                                                     jumps={M.SIGNAL_LAYER_GRAD_NORM: cfg.norm_jump_ratio}),
                                 windows={g.baseline: getattr(cfg, g.baseline)
                                          for st in statistics for g in st.gauges if g.baseline},
-                                history=self._history)
+                                history=self._history, limits=limits)
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried

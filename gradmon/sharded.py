@@ -1,14 +1,16 @@
-"""Full-gradient statistics of sharded parameters (FSDP2 ``fully_shard``, DTensor).
+"""Full-gradient statistics of sharded parameters (FSDP2 ``fully_shard``, DTensor, FSDP1).
 
-Each rank holds a shard of every gradient. At the end of backward gradmon reduces only
+Each rank holds a shard of the gradients (FSDP2: of every parameter; FSDP1: a slice of
+each unit's flat parameter, in which a small parameter may lie wholly on another rank). At the end of backward gradmon reduces only
 the local shard (``to_local()``, no communication: a collective inside an autograd
 callback could hang a rank). At the step boundary, on the training thread and on every
 rank, one small all-reduce (SUM) per group of parameters sharing a device mesh and
 sharded mesh dimensions turns the local sums of squares and NaN/Inf counts into the
 full gradient's (squares of norms added, then rooted). Only mesh dimensions whose placement is ``Shard`` are summed: HSDP's
 replicate dimension and tensor-parallel ``Replicate`` placements hold copies, and
-summing them would count the gradient twice. Uneven shards need nothing special: a
-sum of squares is a sum over whatever elements each rank holds.
+summing them would count the gradient twice; FSDP1's hybrid strategies likewise sum
+over the unit's sharding group alone. Uneven shards need nothing special: a sum of
+squares is a sum over whatever elements each rank holds.
 
 If gradmon's own computation fails on one rank, that rank still calls the same
 collectives with zeros and an error flag, so no rank ever waits for another.
@@ -48,25 +50,78 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ShardGroup:
-    """Parameters whose gradients are sharded over the same mesh dimensions."""
+    """Parameters whose gradients are sharded over the same process groups."""
 
-    mesh: object
-    dims: Tuple[int, ...]
+    process_groups: Tuple[object, ...]  # summed over each in turn (a mesh's sharded dimensions)
     device: torch.device  # where the process group's collectives take tensors
     params: List[int]  # indices into the recorder's parameter list
+    dims: Tuple[int, ...] = ()  # the mesh dimensions they come from (DTensor)
 
 
-def plan(params: Sequence[torch.Tensor]) -> List[ShardGroup]:
+@dataclass(frozen=True)
+class FlatUnit:
+    """An FSDP1 unit that shards its flat parameter."""
+
+    process_group: object
+    flat_param: torch.Tensor
+    params: Tuple[torch.Tensor, ...]  # what the model registers: the original parameters
+    # (use_orig_params=True), or the flat parameter itself
+    orig: bool
+
+
+def fsdp1_units(model: torch.nn.Module) -> List[FlatUnit]:
+    """FSDP1 (``FullyShardedDataParallel``) units of ``model`` whose gradients are
+    sharded (every strategy but NO_SHARD, whose gradients are all-reduced like DDP's)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    except ImportError:  # pragma: no cover - torch without distributed
+        return []
+    units = []
+    for module in model.modules():
+        if not isinstance(module, FullyShardedDataParallel) or module.sharding_strategy == ShardingStrategy.NO_SHARD:
+            continue
+        flat = getattr(getattr(module, "_handle", None), "flat_param", None)
+        if flat is None:
+            continue
+        orig = tuple(getattr(flat, "_params", None) or ())
+        units.append(FlatUnit(module.process_group, flat, orig or (flat,), bool(orig)))
+    return units
+
+
+def limits(units: Sequence[FlatUnit]) -> List[str]:
+    """What gradmon cannot measure per layer because of how these units shard: one sentence
+    each, for the log and ``Monitor.coverage().limits``."""
+    flat = [u for u in units if not u.orig]
+    if not flat:
+        return []
+    return [f"FSDP1 without use_orig_params: the layers' parameters live in {len(flat)} flat parameter(s), so "
+            f"gradmon's layers are the FSDP units (each named after the module it wraps), not the modules inside "
+            f"them; wrap with use_orig_params=True, or use FSDP2 (fully_shard), for per-layer series."]
+
+
+DEEPSPEED = ("DeepSpeed ZeRO holds gradients outside p.grad: per-layer gradient norms and their NaN/Inf counts are "
+             "not measured (gradmon_uncovered_layers{family=\"grad\"}); activations, gradient flow, the loss and the "
+             "learning rate are.")
+
+
+def plan(params: Sequence[Optional[torch.Tensor]], units: Sequence[FlatUnit] = ()) -> List[ShardGroup]:
     """Fixed at attach, identical on every rank (same model, same order)."""
     groups: Dict[Tuple[int, Tuple[int, ...]], ShardGroup] = {}
+    flat = {id(p): unit for unit in units for p in unit.params}
     for i, p in enumerate(params):
+        unit = flat.get(id(p))
+        if unit is not None:
+            key = (id(unit.process_group), ())
+            groups.setdefault(key, ShardGroup((unit.process_group,), p.device, [])).params.append(i)
+            continue
         if not is_sharded(p):
             continue
         dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
         if not dims:
             continue
         key = (id(p.device_mesh), dims)
-        groups.setdefault(key, ShardGroup(p.device_mesh, dims, p.to_local().device, [])).params.append(i)
+        pgs = tuple(p.device_mesh.get_group(d) for d in dims)
+        groups.setdefault(key, ShardGroup(pgs, p.to_local().device, [], dims)).params.append(i)
     return list(groups.values())
 
 
@@ -99,10 +154,10 @@ def all_reduce_rows(rows: Optional[torch.Tensor], order: Sequence[int], groups: 
         squares = host_values(norm, device).expand(n, width)
         body.copy_(torch.where(squares, body.square(), body))
         peaks = body[:, absmax].clone() if absmax else None
-        for dim in group.dims:
-            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group.mesh.get_group(dim))
+        for pg in group.process_groups:
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=pg)
             if peaks is not None:
-                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group.mesh.get_group(dim))
+                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=pg)
         if failed:
             ok = False
             continue

@@ -52,9 +52,11 @@ class StepPacket:
 
 @dataclass(frozen=True)
 class GlobalStepUpdate:
-    """``monitor.step(n)`` after the optimizer already published the step: relabel it."""
+    """``monitor.step(n)`` after the optimizer already published the step: relabel it;
+    after a step the scaler skipped: only the current step number moves."""
 
     global_step: int
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,9 @@ class Coverage(Mapping[str, FrozenSet[str]]):
     ``torch.autograd.grad``): their norms were measured at the optimizer step, after any
     ``clip_grad_norm_``, so they are not pre-clip. 0: every step was measured at the end
     of its backward pass."""
+    limits: Tuple[str, ...] = ()
+    """Whole-model limits on what is measured, one sentence each (FSDP1 flat parameters
+    without ``use_orig_params``, DeepSpeed ZeRO), as logged at attach."""
 
     def __getitem__(self, layer: str) -> FrozenSet[str]:
         return self.observed[layer]
@@ -241,6 +246,17 @@ class _Folded:
                     window.clear()
 
 
+def _fused_skip(values: Sequence[float], packet: StepPacket) -> bool:
+    """Whether a GradScaler flagged this step's overflow to a fused optimizer, which then
+    applied nothing (see ``statistics.SCALAR_AMP_FOUND_INF``)."""
+    if S.SCALAR_AMP_FOUND_INF not in packet.scalars:
+        return False
+    try:
+        return S.read_scalars(values, packet.scalars)[S.SCALAR_AMP_FOUND_INF] != 0
+    except Exception:  # an unreadable packet is a step: its parts fail where they are counted
+        return False
+
+
 class Aggregator:
     """Cumulative state of one monitor. Used only by the publisher thread."""
 
@@ -250,7 +266,7 @@ class Aggregator:
                  on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False,
                  tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = (),
                  spikes: Optional[SpikeTracker] = None, windows: Optional[Mapping[str, int]] = None,
-                 history: Optional[History] = None) -> None:
+                 history: Optional[History] = None, limits: Sequence[str] = ()) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index; ``tied`` maps a recorder layer without parameters of
@@ -269,6 +285,7 @@ class Aggregator:
                      if self.layer_group[layer] not in self.grad_layers}
         self.rank = rank
         self.amp = amp
+        self.limits = tuple(limits)
         self.on_incident = on_incident
         self.block_names = tuple(block_names)
         self.origin: Dict[str, Tuple[str, int]] = {}  # tensor -> (layer or block, global step)
@@ -344,25 +361,29 @@ class Aggregator:
 
     # -- folding -------------------------------------------------------------------
 
-    def relabel(self, global_step: int) -> None:
-        """``monitor.step(n)`` renumbered the last step: not a resume."""
+    def relabel(self, global_step: int, skipped: bool = False) -> None:
+        """``monitor.step(n)`` renumbered the last step (not a resume), or numbered a step
+        the scaler skipped, which scored nothing to renumber."""
         self.global_step = global_step
-        self.spikes.relabel(global_step)
+        if not skipped:
+            self.spikes.relabel(global_step)
 
     def fold(self, packet: StepPacket) -> None:
-        # Count the step before parsing anything: a packet that fails to parse must
+        values: List[float] = packet.data.tolist() if packet.data is not None else []
+        skipped = packet.skipped or _fused_skip(values, packet)
+        # Count the step before parsing anything else: a packet that fails to parse must
         # still be a step, or rate(gradmon_steps_total) would lie.
-        if packet.skipped:
+        if skipped:
             self.amp_skipped_steps += 1
+            self.amp = True  # a fused optimizer's skip shows it even without scaler=
         else:
             self.steps_total += 1
             self.global_step = packet.global_step
             self.last_step_time = packet.time
             if packet.measured_at_step:
                 self._count_measured_at_step()
-        values: List[float] = packet.data.tolist() if packet.data is not None else []
         self._fold_scalars(values, packet)
-        if packet.skipped or packet.data is None:
+        if skipped or packet.data is None:
             return
         self._step_origin: Dict[str, int] = {}
         self._flags: Dict[Tuple[str, int], int] = {}
@@ -530,7 +551,7 @@ class Aggregator:
             expected=MappingProxyType({name: frozenset(st.coverage for st in self.statistics
                                                        if st.coverage and i in self._expected_layers(st))
                                        for i, name in enumerate(self.layer_names)}),
-            tied=MappingProxyType(dict(self.tied)), measured_at_step=self.measured_at_step)
+            tied=MappingProxyType(dict(self.tied)), measured_at_step=self.measured_at_step, limits=self.limits)
 
     def _expected_layers(self, st: Statistic) -> FrozenSet[int]:
         """Layers ``st`` can observe: a statistic of parameters only those where a measured
@@ -699,6 +720,12 @@ class Publisher:
     def put(self, item: object) -> None:
         self._queue.put(item)
 
+    def add_limit(self, text: str) -> None:
+        """State a limit of coverage found after attach (see ``Coverage.limits``)."""
+        with self._lock:
+            self._agg.limits += (text,)
+            self._stale = True
+
     def flush(self, timeout: float) -> bool:
         if not self._thread.is_alive():
             return False
@@ -746,7 +773,7 @@ class Publisher:
     def _fold(self, item: object) -> None:
         try:
             if isinstance(item, GlobalStepUpdate):
-                self._agg.relabel(item.global_step)
+                self._agg.relabel(item.global_step, item.skipped)
                 return
             event = getattr(item, "event", None)
             if event is not None:

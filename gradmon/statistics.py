@@ -417,6 +417,9 @@ class Section:
 # parameter group would be "lr/0", "lr/1"...); these are the ones gradmon writes.
 SCALAR_AMP_SCALE = "amp_scale"
 """The GradScaler's loss scale during the step's backward (with ``scaler=``)."""
+SCALAR_AMP_FOUND_INF = "amp_found_inf"
+"""Non-zero when a GradScaler handed an optimizer that unscales itself (fused Adam/AdamW/
+SGD) the step's overflow flag: the optimizer ran, but applied nothing (a skipped step)."""
 SCALAR_LOSS = "loss"
 """The mean of the losses ``Monitor.observe(loss=...)`` was given since the last step."""
 

@@ -94,8 +94,9 @@ def make_fsdp_model() -> nn.Module:
 
 
 def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: int, steps: int, fail_rank: int,
-             replicas: int = 1) -> None:
-    """FSDP2 over ``world`` ranks; ``replicas`` > 1 makes it HSDP: a (replicate, shard) mesh."""
+             replicas: int = 1, flavour: str = "fsdp2") -> None:
+    """FSDP2 over ``world`` ranks; ``replicas`` > 1 makes it HSDP: a (replicate, shard) mesh.
+    ``flavour`` "fsdp1" / "fsdp1-flat": FSDP1 wrapping each Linear, with / without use_orig_params."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world)
@@ -109,13 +110,21 @@ def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: i
         def boom(*a, **k):
             raise RuntimeError("injected failure on one rank")
         stats.param_grad_stats = boom
-    mesh = init_device_mesh("cpu", (world,)) if replicas == 1 else \
-        init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     model = make_fsdp_model()
-    for sub in model:
-        if isinstance(sub, nn.Linear):
-            fully_shard(sub, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if flavour.startswith("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        # Linear(7, 3) is one unit of 24 elements: rank 0 holds 12 of the weight's 21, rank 1
+        # the rest and the whole bias (a parameter with no local gradient on rank 0)
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=flavour == "fsdp1",
+                                         auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    else:
+        mesh = init_device_mesh("cpu", (world,)) if replicas == 1 else \
+            init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        for sub in model:
+            if isinstance(sub, nn.Linear):
+                fully_shard(sub, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mon = gradmon.attach(model, port=gradmon_port, addr="127.0.0.1", final_scrape_timeout=0)
     for step in range(steps):
@@ -124,7 +133,8 @@ def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: i
         opt.step()
         opt.zero_grad(set_to_none=True)
     mon.flush()
-    (Path(work) / f"fsdp.{rank}.ready").write_text(json.dumps({"url": mon.url, "step": steps}))
+    (Path(work) / f"fsdp.{rank}.ready").write_text(json.dumps({"url": mon.url, "step": steps, "layers": mon.layers,
+                                                                "limits": mon.coverage().limits}))
     wait_for(Path(work) / "fsdp.go")
     mon.detach()
     dist.destroy_process_group()

@@ -253,3 +253,20 @@ def test_no_activation_or_gradient_tensor_outlives_its_step(attach):
     gc.collect()
     assert refs and all(r() is None for r in refs)
     mon.flush()
+
+
+def test_activation_checkpoint_wrappers_keep_the_layer_names_users_know(attach):
+    """checkpoint_wrapper (as FSDP recipes apply it per block) inserts
+    ``_checkpoint_wrapped_module`` into every name below it; include patterns and the
+    ``layer`` label use the names of the unwrapped model."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+    model[1] = checkpoint_wrapper(model[1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model, include=["1.*", "2"])
+    step(model, torch.randn(3, 4), opt)
+    mon.flush()
+    assert mon.layers == ("1.0", "2")
+    assert value(scrape(mon.url), "gradmon_grad_norm", layer="1.0") > 0

@@ -207,23 +207,33 @@ def test_one_prometheus_scrapes_both_ranks_and_a_diverging_rank_fires_the_rule(t
     assert len(panels) == 3 and all(panels.values()), panels  # the Ranks dashboard's multi-rank panels
 
 
-def fsdp_job(work: Path, steps: int, fail_rank: int = -1, world: int = WORLD, replicas: int = 1):
+def fsdp_job(work: Path, steps: int, fail_rank: int = -1, world: int = WORLD, replicas: int = 1,
+             flavour: str = "fsdp2"):
     base = free_port_range(world)
-    ctx = mp.start_processes(ddp_worker.run_fsdp, args=(world, str(work), free_port(), base, steps, fail_rank, replicas),
+    ctx = mp.start_processes(ddp_worker.run_fsdp,
+                             args=(world, str(work), free_port(), base, steps, fail_rank, replicas, flavour),
                              nprocs=world, join=False, start_method="spawn")
     job = Job.__new__(Job)
     job.work, job.plan, job.base, job.ctx = work, [{"name": "fsdp"}], base, ctx
     return job
 
 
-@pytest.mark.parametrize("world, replicas", [(2, 1), (4, 2)], ids=["fsdp2-uneven", "hsdp-2x2"])
-def test_fsdp2_per_layer_norms_equal_the_unsharded_gradient_with_uneven_shards(tmp_path, world, replicas):
-    """HSDP's replicate dimension holds copies: summing over it would double the norm."""
-    job = fsdp_job(tmp_path, steps=3, world=world, replicas=replicas)
+@pytest.mark.parametrize("world, replicas, flavour", [(2, 1, "fsdp2"), (4, 2, "fsdp2"), (2, 1, "fsdp1"),
+                                                     (2, 1, "fsdp1-flat")],
+                         ids=["fsdp2-uneven", "hsdp-2x2", "fsdp1-orig-params", "fsdp1-flat-params"])
+def test_fsdp_per_layer_norms_equal_the_unsharded_gradient_with_uneven_shards(tmp_path, world, replicas, flavour):
+    """HSDP's replicate dimension holds copies: summing over it would double the norm. FSDP1
+    shards each unit's flat parameter: a parameter may lie wholly on another rank, and its
+    layer's norm still includes it; without use_orig_params the layers are the FSDP units
+    (one Linear each here), named as in the unwrapped model and stated in coverage."""
+    job = fsdp_job(tmp_path, steps=3, world=world, replicas=replicas, flavour=flavour)
     try:
-        scraped = [scrape(r["url"]) for r in job.reached("fsdp", world=world)]
+        ready = job.reached("fsdp", world=world)
+        scraped = [scrape(r["url"]) for r in ready]
     finally:
         job.finish()
+    assert ready[0]["layers"] == ["0", "2"]
+    assert bool(ready[0]["limits"]) == (flavour == "fsdp1-flat"), ready[0]["limits"]
     model = ddp_worker.make_fsdp_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(3):

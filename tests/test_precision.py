@@ -17,9 +17,15 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
 
 
-def test_fp16_gradscaler_norms_are_unscaled_and_overflow_skips_are_not_nonfinite(attach):
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.01),
+                                      lambda ps: torch.optim.SGD(ps, lr=0.01, fused=True),
+                                      lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)],
+                         ids=["sgd", "fused-sgd", "fused-adamw"])
+def test_fp16_gradscaler_norms_are_unscaled_and_overflow_skips_are_not_nonfinite(attach, make_opt):
+    """An unfused optimizer is not stepped on overflow; a fused one is stepped with the
+    scaler's flag and applies nothing: both are skips."""
     model = net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = make_opt(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # overflows until it has halved enough
     mon = attach(model, scaler=scaler, detail_every=1, local_view=True)
     skipped = stepped = 0

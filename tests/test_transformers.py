@@ -77,6 +77,58 @@ def test_the_trainer_callback_matches_the_trainers_own_loss_grad_norm_and_step(t
     assert gm.monitor.state == "detached" and gm.monitor._run_state == "finished"
 
 
+class PoisonOneStep(TrainerCallback):
+    """Makes the loss of optimizer step ``at`` infinite (a forward hook on the model), so that
+    the GradScaler finds Inf gradients and skips that step."""
+
+    def __init__(self, model, at: int) -> None:
+        self.at, self.step = at, 0
+        model.register_forward_hook(self._poison)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step + 1
+
+    def _poison(self, module, args, output):
+        if module.training and self.step == self.at:
+            output.loss = output.loss * math.inf
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_the_trainer_callback_counts_a_step_the_fp16_scaler_skipped(tmp_path, optim):
+    """fp16 with a GradScaler, as the Trainer runs it on a GPU: Accelerate checks for a device
+    with fp16 support, so the test gives the Trainer's accelerator a real CPU GradScaler.
+    A fused optimizer is stepped even on overflow (the scaler hands it the flag and it applies
+    nothing); an unfused one is not stepped at all. Either way the skipped step keeps the
+    Trainer's numbering, is counted as skipped and not as a non-finite incident, and leaves
+    the norm gauges at the last applied step's values."""
+    from gradmon.integrations.transformers import GradmonCallback
+
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    seen = ScrapeEachStep(gm)
+    model = tiny_gpt2()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=4, fp16=True,
+                             optim=optim, max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no",
+                             use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(32),
+                      callbacks=[gm, seen, PoisonOneStep(model, at=3)])
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    trainer.accelerator.native_amp = True
+    trainer.train()
+
+    assert bool(trainer.optimizer.optimizer.defaults.get("fused")) == (optim == "adamw_torch_fused")
+    logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+    assert math.isnan(logged[3])  # the Trainer saw the overflow
+    assert [step for step, _ in seen.seen] == [1, 2, 3, 4, 5]
+    for step, s in seen.seen:
+        assert value(s, "gradmon_step") == step
+        assert value(s, "gradmon_amp_skipped_steps_total") == (step >= 3)
+        assert value(s, "gradmon_steps_total") == step - (step >= 3)
+        assert value(s, "gradmon_nonfinite_steps_total") == 0
+        held = logged[2] if step == 3 else logged[step]
+        assert math.isclose(value(s, "gradmon_grad_global_norm"), held, rel_tol=1e-4), (step, held)
+    assert value(seen.seen[3][1], "gradmon_amp_loss_scale") == 2.0 ** 9  # halved after the overflow
+
+
 def test_an_accelerate_loop_with_the_one_line_attach(tmp_path):
     """README's Accelerate recipe: attach to the prepared model, observe the loss, steps from the optimizer."""
     import gradmon
@@ -110,21 +162,25 @@ def test_an_accelerate_loop_with_the_one_line_attach(tmp_path):
     assert monitor._run_state == "finished"
 
 
-def test_the_trainer_callback_warns_where_per_layer_gradients_cannot_be_seen(caplog):
+def test_the_trainer_callback_states_what_deepspeed_hides_in_the_log_and_in_coverage(caplog):
+    """The Trainer hands callbacks the model inside DeepSpeed's engine, where nothing shows
+    that ZeRO keeps the gradients: the callback says so from the Trainer's arguments."""
     import types
-    from gradmon.integrations.transformers import _warn_unmeasurable
 
-    class FlatParameter(torch.nn.Parameter):  # FSDP1's flattened parameters, by name
-        pass
+    from gradmon import sharded
+    from gradmon.integrations.transformers import GradmonCallback
 
-    model = torch.nn.Linear(2, 2)
-    with caplog.at_level("WARNING", logger="gradmon"):
-        _warn_unmeasurable(types.SimpleNamespace(deepspeed="ds_config.json"), model)
-        _warn_unmeasurable(types.SimpleNamespace(deepspeed=None), model)
-        model.weight = FlatParameter(torch.zeros(2, 2))
-        _warn_unmeasurable(types.SimpleNamespace(deepspeed=None), model)
-    text = [r.getMessage() for r in caplog.records]
-    assert len(text) == 2 and "DeepSpeed ZeRO" in text[0] and "FSDP1 flat parameters" in text[1]
+    for deepspeed, want in (("ds_config.json", (sharded.DEEPSPEED,)), (None, ())):
+        gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+        with caplog.at_level("WARNING", logger="gradmon"):
+            caplog.clear()
+            gm.on_train_begin(types.SimpleNamespace(deepspeed=deepspeed, world_size=1), None, None,
+                              model=torch.nn.Linear(2, 2))
+        try:
+            assert gm.monitor.coverage().limits == want
+            assert any("DeepSpeed ZeRO" in r.getMessage() for r in caplog.records) == bool(want)
+        finally:
+            gm.on_train_end(None, None, None)
 
 
 class Plain(torch.nn.Module):

@@ -7,10 +7,12 @@ training forwards (kept on the device) and, just before each optimizer step, han
 step's loss to ``monitor.observe()``: the micro-batches' mean, or their sum where the
 Trainer normalised them by ``num_items_in_batch`` (each is then its share of the step's
 loss), so that ``gradmon_loss`` is the loss the Trainer logs for that step on this rank.
-After each optimizer step ``gradmon_step`` becomes ``state.global_step``; a step an fp16
-GradScaler skipped gets its number with the next step that ran. Train end detaches
+After each optimizer step ``gradmon_step`` becomes ``state.global_step``, also after a
+step an fp16 GradScaler skipped (counted in ``gradmon_amp_skipped_steps_total``). Train end detaches
 (``finished``); an exception out of ``train()`` ends the run as ``failed`` through
-gradmon's exception hook (callbacks have no exception event).
+gradmon's exception hook (callbacks have no exception event). Under FSDP1 the gradients
+are reduced over the shards as for ``attach()``; under DeepSpeed ZeRO, which keeps them
+outside ``p.grad``, gradmon warns and states the gap in ``coverage().limits``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Optional
 import torch
 from transformers import TrainerCallback
 
+from .. import sharded
 from ..monitor import Monitor, attach
 
 log = logging.getLogger("gradmon")
@@ -43,6 +46,7 @@ class GradmonCallback(TrainerCallback):
         self._count = 0
         self._shares = False  # the micro-batch losses are shares of the step's (num_items_in_batch)
         self._stepped = False
+        self._scaled = False
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
         if model is None or (self.monitor is not None and self.monitor.state != "detached"):
@@ -54,8 +58,10 @@ class GradmonCallback(TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)  # fp16: the GradScaler that may skip a step
         if scaler is not None:
             options.setdefault("scaler", scaler)
-        _warn_unmeasurable(args, model)
+        self._scaled = options.get("scaler") is not None
         self.monitor = attach(model, **options)
+        if getattr(args, "deepspeed", None):
+            self.monitor._add_limit(sharded.DEEPSPEED)
         self._hooks = [model.register_forward_hook(self._on_forward, with_kwargs=True)]
         if isinstance(inner, torch.optim.Optimizer):
             self._hooks.append(inner.register_step_post_hook(self._on_optimizer_step))
@@ -80,7 +86,8 @@ class GradmonCallback(TrainerCallback):
         self._sum, self._count = None, 0
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        if self.monitor is not None and self._stepped:
+        # also after a step the scaler skipped: the Trainer counts it, and so does gradmon_step
+        if self.monitor is not None and (self._stepped or self._scaled):
             self.monitor.step(state.global_step)
         self._stepped = False
 
@@ -91,14 +98,3 @@ class GradmonCallback(TrainerCallback):
         if self.monitor is not None:
             self.monitor.detach()
 
-
-def _warn_unmeasurable(args: Any, model: torch.nn.Module) -> None:
-    """DeepSpeed ZeRO keeps gradients in its own buffers (``p.grad`` is None) and FSDP1
-    flattens parameters: gradmon's per-layer gradient statistics cannot see them."""
-    if getattr(args, "deepspeed", None):
-        log.warning("gradmon: DeepSpeed ZeRO holds gradients outside p.grad: per-layer gradient norms and their "
-                    "non-finite counts are not measured (gradmon_uncovered_layers{family=\"grad\"}); activations, "
-                    "gradient flow, the loss and the learning rate are.")
-    if any(type(p).__name__ == "FlatParameter" for p in model.parameters()):
-        log.warning("gradmon: FSDP1 flat parameters: per-layer gradient norms are of the flat shards, not of layers; "
-                    "use FSDP2 (fully_shard) for per-layer norms.")
