@@ -168,6 +168,49 @@ def test_the_lightning_callback_attaches_observes_the_loss_numbers_steps_and_fin
     assert gm.monitor.state == "detached" and gm.monitor._run_state == "finished"
 
 
+class PoisonedAt(Recording):
+    """An infinite loss at global step ``at``: the 16-mixed GradScaler skips that step."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.inf if self.trainer.global_step == self.at else loss
+
+
+def test_the_lightning_callback_counts_a_step_the_16_mixed_scaler_skipped():
+    """precision="16-mixed" as on a GPU, with the plugin given a real CPU GradScaler: the
+    callback hands it to gradmon, so the overflow step is a skip (not a non-finite page),
+    numbered as Lightning numbers it, with the norm gauges held at the last applied step."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from gradmon.integrations.lightning import GradmonCallback
+
+    torch.manual_seed(8)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * STEPS, 8), 3 * torch.randn(8 * STEPS, 4))
+    module = PoisonedAt(2)
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    seen = ScrapeEachStep(gm)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[gm, seen],
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler)], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+
+    norms = [n["grad_2.0_norm_total"] for n in module.lightning_norms]
+    assert math.isnan(norms[2]) and scaler.get_scale() < 2.0 ** 10  # Lightning saw the overflow; the scaler skipped
+    assert [step for step, _ in seen.seen] == list(range(1, STEPS + 1))
+    for step, s in seen.seen:
+        assert value(s, "gradmon_step") == step
+        assert value(s, "gradmon_amp_skipped_steps_total") == (step >= 3)
+        assert value(s, "gradmon_steps_total") == step - (step >= 3)
+        assert value(s, "gradmon_nonfinite_steps_total") == 0
+        held = norms[1] if step == 3 else norms[step - 1]
+        assert math.isclose(value(s, "gradmon_grad_global_norm"), held, rel_tol=1e-5), (step, held)
+
+
 def test_the_lightning_callback_ends_a_crashed_fit_as_failed_with_the_exception_type():
     from gradmon.integrations.lightning import GradmonCallback
 

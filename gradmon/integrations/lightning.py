@@ -4,7 +4,9 @@ It attaches when training starts, to the LightningModule Lightning trains (the s
 parameters its strategy wrapped), so the norms are the accumulated, pre-clip gradient of
 each optimizer step (gradmon finds the end of every backward itself, whichever forward
 ``training_step`` calls). It gives each micro-batch's loss to ``monitor.observe()`` from
-``on_before_backward``, exports ``trainer.global_step`` as ``gradmon_step``, and ends the
+``on_before_backward``, exports ``trainer.global_step`` as ``gradmon_step``, hands
+``precision="16-mixed"``'s GradScaler to gradmon (its overflow steps are skips, not
+non-finite incidents), and ends the
 run with Lightning: ``finished`` at the end of ``fit``, ``failed`` (with the exception's
 type) or ``interrupted`` from ``on_exception``.
 """
@@ -36,6 +38,10 @@ class GradmonCallback(pl.Callback):
         if trainer.world_size > 1:
             # the strategy's wrapper is not what is attached: ask for each rank's own view
             options.setdefault("local_view", True)
+        # 16-mixed: the GradScaler that skips overflow steps, so that they count as skips
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if scaler is not None:
+            options.setdefault("scaler", scaler)
         self.monitor = attach(pl_module, **options)
         self._step = trainer.global_step
 
