@@ -1,6 +1,6 @@
 """gradmon's overhead on a GPT-style training step, as ratios to the unmonitored step.
 
-    python bench/bench_overhead.py            # the README figures (20 rounds)
+    python bench/bench_overhead.py            # the README figures (20 rounds of 20 steps)
     python bench/bench_overhead.py --quick    # a smoke run
 
 Reference model (issue 2): 6 blocks, width 256, 4 heads, sequence 128, batch 8, vocab
@@ -10,10 +10,11 @@ Design: one identical copy of the model per variant plus one unmonitored copy (t
 baseline), all in one process, stepped in turn one step each, the order rotating every
 step; so a slow second of the machine (this one drifts by +-10 % within a minute) hits
 every variant alike, and each variant's ratio is taken against baseline steps run
-interleaved with its own. A round is ``--steps`` steps of every copy, as long as the
-sampling cadence (``detail_every``, ``optimizer_every``: 10 at the defaults) so that
-every round holds exactly one sampled step; the round's ratio is the variant's mean step
-time over the baseline's. gradmon's publisher thread folds a step while the next copy
+interleaved with its own. A round is ``--steps`` steps of every copy, a multiple of the
+sampling cadence (``detail_every``, ``optimizer_every``: 10 at the defaults) so that every
+round holds the same number of sampled steps (two, at the default 20 steps: a round's ratio
+then varies half as much as with one, and the confidence interval narrows accordingly);
+the round's ratio is the variant's mean step time over the baseline's. gradmon's publisher thread folds a step while the next copy
 trains: the timer of a monitored step stops only after ``flush()``, so that work is
 charged to the step that caused it (an upper bound: in a real job it overlaps the next
 step). Printed: the median of the rounds' ratios and the upper bound of the 95 %
@@ -223,7 +224,7 @@ def _option(text: str):
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--steps", type=int, default=10,
+    p.add_argument("--steps", type=int, default=20,
                    help="timed steps of every copy per round: a multiple of the sampling cadence (10 at the defaults)")
     p.add_argument("--discard", type=int, default=1, help="untimed steps of every copy after attaching")
     p.add_argument("--threads", type=int, default=2)

@@ -86,13 +86,14 @@ class Config:
     the global-norm histogram and the step counters still run on every step, so a NaN
     on an unsampled step is never lost."""
 
-    detail_every: int = 10
+    detail_every: int = 20
     """Measure activation and gradient-flow statistics every N optimizer steps; the
     hooks are inert in between. They read every activation twice or more, which costs
     more than the 3% budget on every step (see README's benchmark), so the default
-    samples them; 1 measures them on every step."""
+    samples them, at the cadence that keeps the defaults inside it; 1 measures them on
+    every step."""
 
-    optimizer_every: int = 10
+    optimizer_every: int = 20
     """Read the update-to-weight ratio and Adam's second-moment RMS from the optimizer's
     state every N optimizer steps (the first step included); the learning rate of each
     parameter group is read on every step whatever this says. 0 turns the ratio and the
@@ -150,7 +151,7 @@ class Config:
     update_baseline: int = 32
     """Measurements (every ``optimizer_every`` steps) of a layer's update-to-weight ratio
     whose median is the baseline of gradmon_update_ratio_baseline_ratio: 32 of them are
-    320 steps at the default optimizer_every. Restarts when a learning rate jumps (the
+    640 steps at the default optimizer_every. Restarts when a learning rate jumps (the
     ratio moves with it); kept on the publisher thread, no training-time cost."""
 
     grad_flow: bool = True
