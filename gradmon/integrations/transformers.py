@@ -45,8 +45,6 @@ class GradmonCallback(TrainerCallback):
         self._sum: Optional[torch.Tensor] = None
         self._count = 0
         self._shares = False  # the micro-batch losses are shares of the step's (num_items_in_batch)
-        self._stepped = False
-        self._scaled = False
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
         if model is None or (self.monitor is not None and self.monitor.state != "detached"):
@@ -54,17 +52,13 @@ class GradmonCallback(TrainerCallback):
         options = dict(self.options)
         if args.world_size > 1:
             options.setdefault("local_view", True)
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         scaler = getattr(optimizer, "scaler", None)  # fp16: the GradScaler that may skip a step
         if scaler is not None:
             options.setdefault("scaler", scaler)
-        self._scaled = options.get("scaler") is not None
         self.monitor = attach(model, **options)
         if getattr(args, "deepspeed", None):
             self.monitor._add_limit(sharded.DEEPSPEED)
         self._hooks = [model.register_forward_hook(self._on_forward, with_kwargs=True)]
-        if isinstance(inner, torch.optim.Optimizer):
-            self._hooks.append(inner.register_step_post_hook(self._on_optimizer_step))
 
     def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -77,19 +71,16 @@ class GradmonCallback(TrainerCallback):
         self._count += 1
         self._shares = kwargs.get("num_items_in_batch") is not None
 
-    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._stepped = True
-
     def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
         if self.monitor is not None and self._sum is not None:
             self.monitor.observe(loss=self._sum if self._shares else self._sum / self._count)
         self._sum, self._count = None, 0
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        # also after a step the scaler skipped: the Trainer counts it, and so does gradmon_step
-        if self.monitor is not None and (self._stepped or self._scaled):
+        # The Trainer's step boundary: after gradmon's optimizer hook closed the step (or the
+        # scaler skipped it, which the Trainer counts too) this only sets its number.
+        if self.monitor is not None:
             self.monitor.step(state.global_step)
-        self._stepped = False
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         for hook in self._hooks:
