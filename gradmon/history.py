@@ -2,7 +2,7 @@
 
 Float32 ring buffers filled on the publisher thread, one row per optimizer step: the
 global gradient norm, the loss, the first group's learning rate, whether the step held
-non-finite values, and every layer's gradient norm. At most :data:`MAX_BYTES`: a model
+non-finite values or was skipped by a GradScaler, and every layer's gradient norm. At most :data:`MAX_BYTES`: a model
 with many layers keeps fewer steps. What the page asks for is cut from them on request
 (``since`` a step, the heatmap decimated to :data:`MAX_COLUMNS` columns and
 :data:`MAX_ROWS` rows), under a lock the publisher holds only to write one row.
@@ -20,7 +20,7 @@ import torch
 MAX_BYTES = 16 * 2 ** 20
 MAX_COLUMNS = 500
 MAX_ROWS = 256
-_SCALARS = ("global_norm", "loss", "lr", "nonfinite")
+_SCALARS = ("global_norm", "loss", "lr", "nonfinite", "skipped")
 
 
 class History:
@@ -44,13 +44,19 @@ class History:
         self.rows = [m[0] if len(m) == 1 else f"{m[0]} … {m[-1]} ({len(m)} layers)" for m in members]
 
     def record(self, step: int, global_norm: Optional[float], loss: Optional[float], lr: Optional[float],
-               nonfinite: bool, layer_norms: Mapping[int, float]) -> None:
+               nonfinite: bool, layer_norms: Mapping[int, float], skipped: bool = False) -> None:
+        """One step's row. Steps only increase (``since`` cuts by them): a step numbered at
+        or below the last row's, as a GradScaler's skipped step and the step after it are in
+        a loop that numbers only applied steps, takes the next number."""
         row = torch.full((len(self.layers),), math.nan)
         if layer_norms:
             row[torch.tensor(list(layer_norms), dtype=torch.int64)] = torch.tensor(list(layer_norms.values()),
                                                                                  dtype=torch.float32)
-        values = torch.tensor([math.nan if v is None else v for v in (global_norm, loss, lr)] + [float(nonfinite)])
+        values = torch.tensor([math.nan if v is None else v for v in (global_norm, loss, lr)]
+                              + [float(nonfinite), float(skipped)])
         with self._lock:
+            if self.count:
+                step = max(step, int(self._steps[(self.count - 1) % self.capacity]) + 1)
             i = self.count % self.capacity
             self._steps[i] = step
             self._scalars[i] = values

@@ -383,6 +383,9 @@ class Aggregator:
             if packet.measured_at_step:
                 self._count_measured_at_step()
         self._fold_scalars(values, packet)
+        if skipped and self.history is not None:
+            self.history.record(packet.global_step, None, self._step_loss,
+                                self.learning_rates[0] if self.learning_rates else None, False, {}, skipped=True)
         if skipped or packet.data is None:
             return
         self._step_origin: Dict[str, int] = {}

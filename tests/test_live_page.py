@@ -150,6 +150,34 @@ def test_history_is_bounded_decimated_and_fits_one_megabyte():
     assert later["steps"] == list(range(1991, 2001)) and later["heatmap"]["steps"] == [1993, 1997]  # every 4th kept
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-sgd"])
+def test_steps_the_gradscaler_skipped_are_marked_in_the_history(attach, fused):
+    """A skipped step gets its own row, flagged and without a norm, numbered after the step
+    before it; the next applied step follows (steps only increase, so ``since`` still cuts)."""
+    import math
+
+    import torch
+
+    m = tiny()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    mon = attach(m, port=0, addr="127.0.0.1", scaler=scaler)
+    for step in range(1, 6):
+        loss = m(torch.randn(3, 4)).pow(2).mean()
+        scaler.scale(loss * (math.inf if step == 3 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    mon.flush()
+    h = json.loads(get(mon.port, "/api/history")[2])["history"]
+    assert h["skipped"] == [0, 0, 1, 0, 0] and h["nonfinite"] == [0, 0, 0, 0, 0]
+    assert h["global_norm"][2] is None and all(v > 0 for i, v in enumerate(h["global_norm"]) if i != 2)
+    assert all(b > a for a, b in zip(h["steps"], h["steps"][1:])) and h["steps"][:2] == [1, 2]
+    later = json.loads(get(mon.port, f"/api/history?since={h['steps'][2]}")[2])["history"]
+    assert later["steps"] == h["steps"][3:] and later["skipped"] == [0, 0]
+    assert value(scrape(mon.url), "gradmon_amp_skipped_steps_total") == 1
+
+
 def test_ranks_without_per_layer_series_keep_no_history(monkeypatch, attach):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

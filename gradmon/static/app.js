@@ -13,7 +13,7 @@
 
   function fresh(model) {
     return {
-      model: model, since: null, capacity: 2000, steps: [], norm: [], loss: [], bad: [],
+      model: model, since: null, capacity: 2000, steps: [], norm: [], loss: [], bad: [], skipped: [],
       heat: { every: 0, rows: [], steps: [], cols: [] }, prev: null, rate: null, doc: null,
     };
   }
@@ -67,9 +67,10 @@
       state.norm.push(h.global_norm[i]);
       state.loss.push(h.loss[i]);
       state.bad.push(h.nonfinite[i] === 1);
+      state.skipped.push(h.skipped[i] === 1);
     }
     const drop = state.steps.length - state.capacity;
-    if (drop > 0) for (const key of ["steps", "norm", "loss", "bad"]) state[key].splice(0, drop);
+    if (drop > 0) for (const key of ["steps", "norm", "loss", "bad", "skipped"]) state[key].splice(0, drop);
     const hm = h.heatmap;
     if (hm.every !== state.heat.every || hm.rows.length !== state.heat.rows.length) {
       // the columns are spaced anew as the window fills: start over from this full answer,
@@ -169,7 +170,11 @@
     ctx.fillStyle = "#c62828";
     const n = Math.max(values.length, 2);
     const x = (i) => pad + (w - pad - 4) * i / (n - 1);
-    state.bad.forEach((bad, i) => { if (bad && values === state.norm) ctx.fillRect(x(i) - 1, 0, 2, h); });
+    if (values === state.norm) {
+      state.bad.forEach((bad, i) => { if (bad) ctx.fillRect(x(i) - 1, 0, 2, h); });
+      ctx.fillStyle = "#ef8f00";
+      state.skipped.forEach((skipped, i) => { if (skipped) ctx.fillRect(x(i) - 1, 0, 2, h); });
+    }
     if (!good.length) return;
     let lo = Math.min(...good), hi = Math.max(...good);
     if (hi === lo) { lo -= 0.5; hi += 0.5; }
