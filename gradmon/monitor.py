@@ -155,8 +155,9 @@ class Monitor:
         return self.snapshot().coverage
 
     def _add_limit(self, text: str) -> None:
-        """For an integration that knows more than the model shows (DeepSpeed behind a
-        Trainer): log a limit of coverage and add it to ``coverage().limits``."""
+        """Log a limit of coverage and add it to ``coverage().limits``: the model's own
+        (FSDP1 flat parameters, at attach) or one an integration knows of (DeepSpeed
+        behind a Trainer)."""
         log.warning("gradmon[%s]: %s", self.name, text)
         if self._publisher is not None:
             self._publisher.add_limit(text)
@@ -278,9 +279,6 @@ class Monitor:
         blocks = top_blocks(inner)
         units = sharded.fsdp1_units(model)
         recorder = Recorder(layers, cfg, self._errors, self._publish, statistics, units)
-        limits = sharded.limits(units)
-        for text in limits:
-            log.warning("gradmon[%s]: %s", self.name, text)
         grouping = group_layers(self._layer_names, S.series_per_layer(statistics), cfg.series_budget)
         if grouping.grouped_layers:
             log.warning("gradmon[%s]: %d layers exceed series_budget=%d; exporting %d module-name-prefix "
@@ -305,7 +303,7 @@ class Monitor:
                                                     jumps={M.SIGNAL_LAYER_GRAD_NORM: cfg.norm_jump_ratio}),
                                 windows={g.baseline: getattr(cfg, g.baseline)
                                          for st in statistics for g in st.gauges if g.baseline},
-                                history=self._history, limits=limits)
+                                history=self._history)
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried
@@ -315,6 +313,8 @@ class Monitor:
         self._join_endpoint(port)  # ValueError (TLS files, settings) before any hook exists
         self._recorder = recorder
         self._publisher = Publisher(aggregator, self._errors, self.name)
+        for text in sharded.limits(units):
+            self._add_limit(text)
         self._hooks.install(recorder, model, layers, cfg, [block for _, block in blocks])
         self._state = self._state if self._state == "server_failed" else "running"
         _CARRIED.pop(self._carry_key(), None)  # now in this monitor's counters

@@ -266,7 +266,7 @@ class Aggregator:
                  on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False,
                  tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = (),
                  spikes: Optional[SpikeTracker] = None, windows: Optional[Mapping[str, int]] = None,
-                 history: Optional[History] = None, limits: Sequence[str] = ()) -> None:
+                 history: Optional[History] = None) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index; ``tied`` maps a recorder layer without parameters of
@@ -285,7 +285,7 @@ class Aggregator:
                      if self.layer_group[layer] not in self.grad_layers}
         self.rank = rank
         self.amp = amp
-        self.limits = tuple(limits)
+        self.limits: Tuple[str, ...] = ()  # see Coverage.limits; added by Publisher.add_limit
         self.on_incident = on_incident
         self.block_names = tuple(block_names)
         self.origin: Dict[str, Tuple[str, int]] = {}  # tensor -> (layer or block, global step)
@@ -384,8 +384,7 @@ class Aggregator:
                 self._count_measured_at_step()
         self._fold_scalars(values, packet)
         if skipped and self.history is not None:
-            self.history.record(packet.global_step, None, self._step_loss,
-                                self.learning_rates[0] if self.learning_rates else None, False, {}, skipped=True)
+            self._remember(packet.global_step, skipped=True)
         if skipped or packet.data is None:
             return
         self._step_origin: Dict[str, int] = {}
@@ -403,17 +402,18 @@ class Aggregator:
             self.detail_backward_steps += 1
             self._log_gaps_once()
 
-    def _remember(self, step: int, nonfinite: bool) -> None:
+    def _remember(self, step: int, nonfinite: bool = False, skipped: bool = False) -> None:
         """One row of the live page's history: the global norm and each layer's gradient
-        norm of this step (the statistic that declares the global norm), loss, first lr."""
-        grad = next((f for f in self.folded.values() if f.stat.histogram is not None), None)
+        norm of this step (the statistic that declares the global norm; none for a step
+        the scaler skipped), loss, first lr."""
+        grad = None if skipped else next((f for f in self.folded.values() if f.stat.histogram is not None), None)
         norms: Dict[int, float] = {}
         if grad is not None and grad.last:
             j = grad.norms[0]
             norms = {layer: math.sqrt(a[j]) for layer, a in grad.last.items()}
             grad.last = {}  # a later step without gradient records gets an empty row, not these
         self.history.record(step, grad.total if grad is not None else None, self._step_loss,  # type: ignore[union-attr]
-                            self.learning_rates[0] if self.learning_rates else None, nonfinite, norms)
+                            self.learning_rates[0] if self.learning_rates else None, nonfinite, norms, skipped)
 
     def _fold_scalars(self, values: Sequence[float], packet: StepPacket) -> None:
         """The step scalars; first the learning rates, which restart the spike windows

@@ -17,7 +17,6 @@ outside ``p.grad``, gradmon warns and states the gap in ``coverage().limits``.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
@@ -25,8 +24,6 @@ from transformers import TrainerCallback
 
 from .. import sharded
 from ..monitor import Monitor, attach
-
-log = logging.getLogger("gradmon")
 
 
 def _loss_of(output: Any) -> Optional[torch.Tensor]:
