@@ -175,11 +175,16 @@ class LayerSeries:
     values: Tuple[Tuple, ...]
 
 
+_NO_MOMENTS = (0.0,) * len(S.MOMENT_COLUMNS)  # an empty MOMENTS accumulator
+
+
 class _Folded:
     """One statistic's cumulative state in the aggregator."""
 
-    def __init__(self, stat: Statistic, n: int, windows: Mapping[str, int]) -> None:
+    def __init__(self, stat: Statistic, n: int, windows: Mapping[str, int], slots: Optional[Sequence[int]]) -> None:
         self.stat = stat
+        self.slots = slots
+        """The (grouped) layer each record key stands for; None: the key is the slot (a block)."""
         self.last: Dict[int, List[float]] = {}  # the last step's accumulators per (grouped) layer
         self.gauges: Dict[LayerGauge, List[Optional[float]]] = {g: [None] * n for g in stat.gauges}
         # each baseline gauge's last values per layer, for its rolling median
@@ -204,9 +209,15 @@ class _Folded:
     def combine(self, acc: Optional[List[float]], row: Sequence[float], numel: int) -> List[float]:
         """Fold one record into a layer's accumulator (NORM columns as squares, numel last)."""
         if acc is None:
-            acc = [0.0] * (len(row) + 1)
-            for j in self.lows + self.highs:
-                acc[j] = row[j]
+            # a layer's first record (most layers have one): the fold of one value, directly
+            acc = [*row, numel]
+            for j in self.norms:
+                acc[j] = row[j] * row[j]
+            for j in self.peaks:
+                acc[j] = abs(row[j])
+            if self.moments is not None:
+                acc[self.moments] = S.merge_moments(_NO_MOMENTS, 0, row[self.moments], numel)
+            return acc
         for j in self.norms:
             acc[j] += row[j] * row[j]
         for j in self.sums:
@@ -301,7 +312,9 @@ class Aggregator:
         n = len(self.layer_names)
         windows = {**{g.baseline: S.MIN_BASELINE for st in self.statistics for g in st.gauges if g.baseline},
                    **(windows or {})}
-        self.folded: Dict[str, _Folded] = {st.name: _Folded(st, n, windows) for st in self.statistics}
+        self.folded: Dict[str, _Folded] = {
+            st.name: _Folded(st, n, windows, None if st.at == S.BLOCK else
+                             self.param_layer if st.by_parameter else self.layer_group) for st in self.statistics}
         self.steps_total = 0
         self.global_step: Optional[int] = None
         self.last_step_time: Optional[float] = None
@@ -490,17 +503,18 @@ class Aggregator:
         stat = f.stat
         acc: Dict[int, List[float]] = {}
         bad = False
+        slots, lo, hi, cells, nan, inf = f.slots, f.lo, f.hi, f.cells, f.nan, f.inf
         for key, numel, row in zip(section.keys, section.numels, rows):
-            layer = self._slot(stat, key)
+            layer = key if slots is None else slots[key]
             acc[layer] = f.combine(acc.get(layer), row, numel)
-            if f.lo >= 0:
-                flags = S.nonfinite_flags(row[f.lo], row[f.hi])
+            if lo >= 0:
+                flags = S.nonfinite_flags(row[lo], row[hi])
                 if flags:
                     self._flags[(stat.origin, layer)] = self._flags.get((stat.origin, layer), 0) | flags
                 else:
                     self._flags.setdefault((stat.origin, layer), 0)
-            if f.cells is not None:
-                bad |= self._count(f.cells, layer, row[f.nan], row[f.inf], stat.origin, stat.forward)
+            if cells is not None and (row[nan] or row[inf]):  # counts: a call only for a non-finite record
+                bad |= self._count(cells, layer, row[nan], row[inf], stat.origin, stat.forward)
         f.last = acc
         if stat.coverage:
             self.seen[stat.coverage].update(acc)
@@ -515,21 +529,16 @@ class Aggregator:
             if stat.spike is not None:
                 self.spikes.observe(stat.spike, f.total)
         if sampled or not stat.sampled:
+            stores = [(gauge, f.gauges[gauge]) for gauge in stat.gauges]
             for layer, a in acc.items():
                 columns = f.columns(a)
-                for gauge in stat.gauges:
-                    f.gauges[gauge][layer] = f.value(gauge, layer, columns)
+                for gauge, store in stores:
+                    store[layer] = gauge.value(columns) if gauge.baseline is None else f.value(gauge, layer, columns)
             for gauge in stat.gauges:
                 if gauge.jump is not None:
                     values = [f.gauges[gauge][layer] for layer in acc]
                     self.spikes.count_jump(gauge.jump, max((v for v in values if v is not None), default=math.nan))
         return bad
-
-    def _slot(self, stat: Statistic, key: int) -> int:
-        """The (grouped) layer, or the block, a record's key stands for."""
-        if stat.at == S.BLOCK:
-            return key
-        return self.param_layer[key] if stat.by_parameter else self.layer_group[key]
 
     def _observe(self, norm: float, overflow: bool) -> None:
         # A norm of non-finite elements is already counted by the non-finite counters; an

@@ -92,8 +92,10 @@ def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     x = x.detach()
     norm = _l2(x)
     lo, hi = torch.aminmax(x)
+    if lo.dtype != norm.dtype:  # a call per layer saved where they agree (float32, float64)
+        lo, hi = lo.to(norm.dtype), hi.to(norm.dtype)
     counts = _ZERO_COUNTS if _host_says_finite(norm) else _counts(x)
-    return torch.stack((norm, lo.to(norm.dtype), hi.to(norm.dtype))), counts
+    return torch.stack((norm, lo, hi)), counts
 
 
 def extremes(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
