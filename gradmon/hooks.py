@@ -144,11 +144,13 @@ class _Records:
     statistic with ``combine`` records raw material, turned into its rows (all pending
     records at once) when committed or when :data:`RAW_BUDGET` elements are waiting."""
 
-    __slots__ = ("keyed", "done", "pending", "combine", "raw", "raw_elements")
+    __slots__ = ("keyed", "done", "pending", "combine", "scratch", "raw", "raw_elements")
 
-    def __init__(self, keyed: bool, combine: Optional[Callable[..., torch.Tensor]] = None) -> None:
+    def __init__(self, keyed: bool, combine: Optional[Callable[..., torch.Tensor]] = None,
+                 scratch: Optional[stats.Scratch] = None) -> None:
         self.keyed = keyed
         self.combine = combine
+        self.scratch = scratch if scratch is not None else stats.Scratch()
         self.done: Dict[Any, Tuple[int, int, Sequence[torch.Tensor]]] = {}  # insertion order
         self.pending: List[Tuple[int, int, Sequence[torch.Tensor]]] = []
         self.raw: List[int] = []  # positions in pending still holding raw material
@@ -166,7 +168,7 @@ class _Records:
         if not self.raw:
             return
         raw = [self.pending[i] for i in self.raw]
-        rows = self.combine([r[2][0] for r in raw], [r[1] for r in raw], raw[0][2][0].device)
+        rows = self.combine([r[2][0] for r in raw], [r[1] for r in raw], raw[0][2][0].device, self.scratch)
         for i, row in zip(self.raw, rows.unbind(0)):
             key, numel, _ = self.pending[i]
             self.pending[i] = (key, numel, (row,))
@@ -265,12 +267,13 @@ class Recorder:
         self._last_closed: Optional[str] = None  # who closed the last step: optimizer, scaler, manual
         self._found_inf: Optional[torch.Tensor] = None  # a fused optimizer's overflow flag, this step
         self._last_record: Dict[str, Tuple[torch.Tensor, int, List[Tuple[Statistic, Any]]]] = {}
+        self._scratch = stats.Scratch()  # the combined statistics' temporaries, step after step
         self._reset_records()
 
     def _reset_records(self) -> None:
         # OUTPUT records are complete once the root forward returned; the others once
         # their backward pass ended
-        self._records: Dict[str, _Records] = {st.name: _Records(st.by_parameter, st.combine)
+        self._records: Dict[str, _Records] = {st.name: _Records(st.by_parameter, st.combine, self._scratch)
                                               for st in self.statistics if st.at not in S.BATCHED}
 
     def statistics_at(self, *moments: str) -> Tuple[Statistic, ...]:
@@ -295,6 +298,7 @@ class Recorder:
         self.active = False
         self._remove_param_hooks()
         self._batched = {}
+        self._scratch = stats.Scratch()
         self._reset_records()
 
     # -- parameter hooks -----------------------------------------------------------

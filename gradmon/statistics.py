@@ -147,11 +147,13 @@ class Statistic:
     """The columns of one record, grouped as the tensors ``record`` returns them."""
     record: Callable[..., Any]
     gauges: Tuple[LayerGauge, ...] = ()
-    combine: Optional[Callable[[Sequence[torch.Tensor], Sequence[int], torch.device], torch.Tensor]] = None
+    combine: Optional[Callable[[Sequence[torch.Tensor], Sequence[int], torch.device, "stats.Scratch"],
+                               torch.Tensor]] = None
     """For a one-part statistic whose per-record work is cheaper done for many records at
     once: ``record`` returns raw material (e.g. a sample of the output) and ``combine(raw,
-    numels, home)`` turns a list of records' raw material into their (n, width) rows,
-    when the forward (or backward) that made them completes."""
+    numels, home, scratch)`` turns a list of records' raw material into their (n, width)
+    rows, when the forward (or backward) that made them completes; ``scratch`` is the
+    recorder's memory for its temporaries, reused from step to step."""
     counter: Optional[M.MetricSpec] = None
     """Family counting the records' "nan" and "inf" columns, per layer and ``kind``."""
     counter_labels: Mapping[str, str] = field(default_factory=dict)
@@ -287,7 +289,7 @@ ACTIVATION_KURTOSIS = Statistic(
     (tuple(Column(name, MOMENTS) for name in MOMENT_COLUMNS),),
     lambda output: stats.moments_record(output),
     gauges=(LayerGauge(M.ACTIVATION_KURTOSIS, _kurtosis),), detail=True,
-    combine=lambda samples, numels, home: stats.moments_block(samples, numels, home))
+    combine=lambda samples, numels, home, scratch: stats.moments_block(samples, numels, home, scratch))
 
 # fp16 only: a bf16 or fp32 tensor has no such ceiling worth watching. The gradient is
 # the one w.r.t. the layer's output, as backward carries it: fp16 under autocast too

@@ -190,6 +190,23 @@ def test_kurtosis_of_grouped_layers_is_the_kurtosis_of_all_their_outputs_togethe
     assert abs(want - (pearson_kurtosis(outputs["0.0"]) + pearson_kurtosis(outputs["0.1"])) / 2) > 0.1
 
 
+def test_moments_reuse_their_scratch_memory_and_give_the_same_rows():
+    """The recorder's scratch (reused step after step on the CPU) holds the last step's
+    samples: a shorter row later must see zeros past its end, not the old values."""
+    from gradmon import stats
+    torch.manual_seed(4)
+    home, scratch = torch.device("cpu"), stats.Scratch()
+    first = [torch.randn(9000) * 3 + 7, torch.randn(5000)]
+    second = [torch.randn(4000) + 100, torch.randn(8999) * 0.1, torch.randn(10)]
+    for samples in (first, second, first):
+        numels = [4 * t.numel() for t in samples]
+        want = stats.moments_block(samples, numels, home)
+        got = stats.moments_block(samples, numels, home, scratch)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    held = scratch.take("moments", (2, 9000), torch.float32, home)
+    assert held.data_ptr() == scratch.take("moments", (3, 10), torch.float32, home).data_ptr()  # reused
+
+
 def test_kurtosis_is_exact_for_activations_near_1e4_with_a_spread_of_0_1(attach):
     torch.manual_seed(2)
     layer = nn.Linear(16, 256)
