@@ -181,6 +181,12 @@ class Statistic:
     """Histogram observing ``total`` on every step."""
     spike: Optional[str] = None
     """``signal`` under which ``total`` is scored for spikes on every step (gradmon/spikes.py)."""
+    derive: Optional[Tuple[str, Callable[[Sequence[torch.Tensor]], Tuple[torch.Tensor, ...]]]] = None
+    """(statistic, pick): where that statistic already recorded the same tensor, unchanged,
+    in the same pass, this one's record is ``pick(that record's parts)``, and the tensor is
+    not read again. A layer that is also one of the root's direct children (an LLM's
+    embedding, final norm and head, whose output, the logits, is its largest tensor) has
+    its block extremes in the activation record of a detail step."""
     dtypes: Optional[Tuple[torch.dtype, ...]] = None
     """Record only tensors of these dtypes (None: every floating dtype). A layer none of
     whose tensors qualifies has no record, hence no series: the dtype is host metadata,
@@ -325,7 +331,8 @@ LOCAL = Statistic(
 # gradmon_nonfinite_total: it only says where a non-finite step started.
 BLOCK_FINITE = Statistic(
     "block_finite", None, BLOCK, ((Column("lo", MIN),), (Column("hi", MAX),)),
-    lambda output: stats.extremes(output), origin=M.TENSOR_BLOCK)
+    lambda output: stats.extremes(output), origin=M.TENSOR_BLOCK,
+    derive=("activation", lambda parts: (parts[0][1], parts[0][2])))
 
 # The same, per layer and on every step when asked for (origin_per_layer): the layer a
 # NaN started in is then named on any step, not only on detail steps.
@@ -389,6 +396,10 @@ def _check(table: Sequence[Statistic]) -> None:
             assert s.total is not None and any(c.fold == NORM for c in s.columns), s.name
         if s.origin is not None and s.forward:
             s.index("lo"), s.index("hi")
+        if s.derive is not None:
+            # a source recorded earlier in the same pass, at the same kind of moment
+            source = next(t for t in table if t.name == s.derive[0])
+            assert source.forward == s.forward and source.combine is None, s.name
         moments = [c.name for c in s.columns if c.fold == MOMENTS]
         if moments:
             # folded on the host only: the FSDP collective knows no parallel rule

@@ -272,6 +272,44 @@ def test_the_root_output_that_is_the_last_block_output_is_read_once_unless_chang
     assert found["block"] == ("output", 5), found  # `net` was finite; the in-place NaN came after it
 
 
+class Leaves(nn.Module):
+    """A root whose direct children are layers (as an LLM's embedding, final norm and head
+    are): on a detail step a child's block record and its activation record are of one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def test_a_detail_step_takes_the_block_extremes_of_a_layer_from_its_activation_record(attach, monkeypatch):
+    from gradmon import stats
+
+    calls = []
+    real = stats.extremes
+    monkeypatch.setattr(stats, "extremes", lambda x: calls.append(x.shape) or real(x))
+    model = Leaves()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model, detail_every=2)
+    train(model, opt, 2)
+    calls.clear()
+    train(model, opt, 1)  # step 3, a detail step: every block is a layer whose record holds them
+    assert len(calls) == 1, calls  # the batch alone
+    train(model, opt, 1)  # step 4: no activation records, the blocks are read
+    assert len(calls) == 1 + 1 + 3, calls
+
+    def before(step):
+        if step == 0:
+            with torch.no_grad():
+                model.fc2.weight[0, 0] = float("nan")
+    train(model, opt, 1, before=before)  # step 5, a detail step: fc2's output is the first NaN
+    found = origins(fresh(mon))
+    assert found["block"] == ("fc2", 5), found
+
+
 def test_rank_level_counters_exist_at_zero_from_attach_and_count_every_layer(attach):
     model = blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
