@@ -355,7 +355,7 @@ class Recorder:
         if last is not None and last[0] is t and last[1] == t._version:
             made = last[2]
         else:
-            made = [(st, self._derived(st, t) or st.record(t))
+            made = [(st, (st.derive is not None and self._derived(st, t)) or st.record(t))
                     for st in self._at[at] if st.dtypes is None or t.dtype in st.dtypes]
             # one tensor held per moment, until the next record or the end of the pass
             self._last_record[at] = (t, t._version, made)
@@ -365,8 +365,6 @@ class Recorder:
     def _derived(self, st: Statistic, t: torch.Tensor) -> Optional[Tuple[torch.Tensor, ...]]:
         """``st``'s record of ``t`` taken from the record another statistic made of it
         (see ``Statistic.derive``), or None where there is none."""
-        if st.derive is None:
-            return None
         source, pick = st.derive
         for tensor, version, made in self._last_record.values():
             if tensor is t and version == t._version:
