@@ -11,7 +11,7 @@ baseline), all in one process, stepped in turn one step each, the order rotating
 step; so a slow second of the machine (this one drifts by +-10 % within a minute) hits
 every variant alike, and each variant's ratio is taken against baseline steps run
 interleaved with its own. A round is ``--steps`` steps of every copy, a multiple of the
-sampling cadence (``detail_every``, ``optimizer_every``: 10 at the defaults) so that every
+sampling cadence (``detail_every``, ``optimizer_every``: 20 at the defaults) so that every
 round holds the same number of sampled steps (two, at the default 20 steps: a round's ratio
 then varies half as much as with one, and the confidence interval narrows accordingly);
 the round's ratio is the variant's mean step time over the baseline's. gradmon's publisher thread folds a step while the next copy
