@@ -207,6 +207,25 @@ def test_moments_reuse_their_scratch_memory_and_give_the_same_rows():
     assert held.data_ptr() == scratch.take("moments", (3, 10), torch.float32, home).data_ptr()  # reused
 
 
+@pytest.mark.parametrize("detail_every, kept", [(1, True), (20, False)])
+def test_the_recorder_keeps_scratch_memory_only_where_detail_steps_come_often(attach, detail_every, kept):
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Linear(512, 8))
+    mon = attach(model, detail_every=detail_every)
+    x = torch.randn(64, 64)  # 32K-element outputs: sampled, so the moments block is a few hundred KB
+    held = []
+    for _ in range(2):
+        step(model, x)
+        mon.flush()
+        scratch = mon._recorder._scratch
+        held.append(None if scratch is None else {k: t.data_ptr() for k, t in scratch._held.items()})
+    if kept:
+        assert held[0] and held[0] == held[1]  # the second detail step wrote where the first did
+    else:
+        assert held == [None, None]  # nothing outlives the step at the default cadence
+    assert value(scrape(mon.url), "gradmon_activation_kurtosis", layer="0") > 0
+
+
 def test_kurtosis_is_exact_for_activations_near_1e4_with_a_spread_of_0_1(attach):
     torch.manual_seed(2)
     layer = nn.Linear(16, 256)
