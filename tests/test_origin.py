@@ -251,12 +251,18 @@ class Scaled(nn.Module):
         return out
 
 
-def test_the_root_output_that_is_the_last_block_output_is_read_once_unless_changed_in_place(attach, monkeypatch):
+def count_extremes(monkeypatch) -> list:
+    """The shapes of the tensors gradmon reads extremes of, call by call."""
     from gradmon import stats
 
-    calls = []
+    calls: list = []
     real = stats.extremes
     monkeypatch.setattr(stats, "extremes", lambda x: calls.append(x.shape) or real(x))
+    return calls
+
+
+def test_the_root_output_that_is_the_last_block_output_is_read_once_unless_changed_in_place(attach, monkeypatch):
+    calls = count_extremes(monkeypatch)
     model = Scaled()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = attach(model)
@@ -286,11 +292,7 @@ class Leaves(nn.Module):
 
 
 def test_a_detail_step_takes_the_block_extremes_of_a_layer_from_its_activation_record(attach, monkeypatch):
-    from gradmon import stats
-
-    calls = []
-    real = stats.extremes
-    monkeypatch.setattr(stats, "extremes", lambda x: calls.append(x.shape) or real(x))
+    calls = count_extremes(monkeypatch)
     model = Leaves()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = attach(model, detail_every=2)
