@@ -152,8 +152,9 @@ class Statistic:
     """For a one-part statistic whose per-record work is cheaper done for many records at
     once: ``record`` returns raw material (e.g. a sample of the output) and ``combine(raw,
     numels, home, scratch)`` turns a list of records' raw material into their (n, width)
-    rows, when the forward (or backward) that made them completes; ``scratch`` is the
-    recorder's memory for its temporaries, reused from step to step."""
+    rows, when the forward (or backward) that made them completes; ``scratch`` holds their
+    temporaries: for the step, or from step to step where detail steps come often
+    (``hooks.KEEP_SCRATCH_EVERY``)."""
     counter: Optional[M.MetricSpec] = None
     """Family counting the records' "nan" and "inf" columns, per layer and ``kind``."""
     counter_labels: Mapping[str, str] = field(default_factory=dict)
