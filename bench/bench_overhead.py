@@ -14,10 +14,10 @@ interleaved with its own. A round is ``--steps`` steps of every copy, a multiple
 sampling cadence (``detail_every``, ``optimizer_every``: 20 at the defaults) so that every
 round holds the same number of sampled steps (two, at the default 20 steps: a round's ratio
 then varies half as much as with one, and the confidence interval narrows accordingly);
-the round's ratio is the variant's mean step time over the baseline's. gradmon's publisher thread folds a step while the next copy
-trains: the timer of a monitored step stops only after ``flush()``, so that work is
-charged to the step that caused it (an upper bound: in a real job it overlaps the next
-step). Printed: the median of the rounds' ratios and the upper bound of the 95 %
+the round's ratio is the variant's mean step time over the baseline's. gradmon's publisher
+thread folds a step while the next copy trains: the timer of a monitored step stops only
+after ``flush()``, so that work is charged to the step that caused it (an upper bound: in a
+real job it overlaps the next step). Printed: the median of the rounds' ratios and the upper bound of the 95 %
 confidence interval of their mean (Student t); ``unmonitored_twin`` is a second
 unmonitored copy, so its row is the noise of the method. Host time is gradmon's own
 clock (time spent in its hooks) per timed step. Peak memory is each variant's peak
@@ -225,7 +225,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--steps", type=int, default=20,
-                   help="timed steps of every copy per round: a multiple of the sampling cadence (10 at the defaults)")
+                   help="timed steps of every copy per round: a multiple of the sampling cadence (20 at the defaults)")
     p.add_argument("--discard", type=int, default=1, help="untimed steps of every copy after attaching")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=10)
