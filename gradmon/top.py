@@ -6,6 +6,11 @@ instant-threshold part of the alert rules locally, with the thresholds of
 :class:`gradmon.alerting.Thresholds`. Those are local checks, not the alerts: the rules'
 ``for`` durations, 30-minute baselines and cross-rank comparisons need Prometheus.
 
+The endpoint is a network peer and may be hostile: it is read through :mod:`gradmon.fetch`
+(one deadline per refresh, a bound on the body, no redirect followed, no proxy unless
+``--proxy``), and everything it sends passes :func:`gradmon.sanitize.clean` before it is
+shown. A URL's password is never shown.
+
 Standard library only (``curses`` for the screen); when stdout is not a terminal (or
 with ``--once``) it prints one frame as plain text and exits.
 """
@@ -18,35 +23,72 @@ import collections
 import locale
 import math
 import os
+import queue
+import re
 import ssl
 import sys
+import threading
 import time
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from . import fetch
 from . import metrics as M
-from .alerting import Thresholds
+from .alerting import PRODUCTION, Thresholds, dur
+from .fetch import mask_credentials
+from .sanitize import clean
 
 DEFAULT_URL = "http://127.0.0.1:9400/metrics"
 HISTORY_SECONDS = 300.0
 """How long readings are kept: the sparkline shows the last minute, the non-finite check
 looks back five minutes like the rule's window."""
+NONFINITE_WINDOW = PRODUCTION.nonfinite_window
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_ASCII = "_.-=+*#@"
+KEY_WAIT_MS = 100
+"""How long the screen waits for a key between looks at the poller: how fast ``q`` answers."""
 
 Labels = Tuple[Tuple[str, str], ...]
 
 
 # -- reading the endpoint ------------------------------------------------------------------
 
+def metrics_url(arg: str) -> str:
+    """The /metrics URL the user meant: ``9400`` (or ``:9400``) is that port on 127.0.0.1,
+    ``host:port`` without a scheme is http, and the live page's URL (no path, or ``/``) is
+    its ``/metrics``. Anything else that cannot be read raises ValueError saying what to type."""
+    example = "e.g. gradmon top http://127.0.0.1:9400/metrics, or just gradmon top 9400"
+    text = arg.strip()
+    if re.fullmatch(r":?\d+", text):
+        port = int(text.lstrip(":"))
+        if not 0 < port < 65536:
+            raise ValueError(f"{clean(arg)!r} is no port (1 to 65535); {example}")
+        return f"http://127.0.0.1:{port}/metrics"
+    if "://" not in text:
+        text = "http://" + text
+    parts = urllib.parse.urlsplit(text)
+    shown = clean(mask_credentials(text))
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{shown} is not an http:// or https:// URL; {example}")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"the port of {shown} is not a number from 1 to 65535; {example}") from None
+    if not parts.hostname:
+        raise ValueError(f"{shown} names no host; {example}")
+    if parts.path in ("", "/"):
+        parts = parts._replace(path="/metrics")
+    return urllib.parse.urlunsplit(parts)
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where and how to scrape: the URL (user:password@ in it is honoured), basic auth, and
-    TLS files (a CA to trust, a client certificate for mTLS)."""
+    TLS files (a CA to trust, a client certificate for mTLS); ``timeout`` bounds a whole
+    read, ``max_bytes`` its body, and ``proxy`` is the only proxy it ever goes through."""
 
     url: str = DEFAULT_URL
     user: Optional[str] = None
@@ -55,17 +97,42 @@ class Endpoint:
     certfile: Optional[str] = None
     keyfile: Optional[str] = None
     insecure: bool = False
-    timeout: float = 5.0
+    timeout: float = fetch.DEFAULT_TIMEOUT
+    max_bytes: int = fetch.DEFAULT_MAX_BYTES
+    proxy: Optional[str] = None
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.shown!r})"
+
+    @property
+    def shown(self) -> str:
+        """The URL as it may be printed: no password, nothing a terminal would obey."""
+        return clean(mask_credentials(self.url))
+
+    def redact(self, text: str) -> str:
+        """``text`` (an error, a Location) safe to print: no URL password, not the password
+        itself wherever a server echoed it, nothing a terminal would obey."""
+        text = mask_credentials(text)
+        for secret in (self._password(), urllib.parse.urlsplit(self.proxy).password if self.proxy else None):
+            if secret and len(secret) >= 3:  # shorter, and every "ab" in a message would be starred
+                text = text.replace(secret, "***")
+        return clean(text)
+
+    def _password(self) -> Optional[str]:
+        if self.password is not None:
+            return self.password
+        password = urllib.parse.urlsplit(self.url).password
+        return None if password is None else urllib.parse.unquote(password)
 
     def fetch(self) -> str:
         parts = urllib.parse.urlsplit(self.url)
-        user, password = self.user or parts.username, self.password or parts.password
+        user = self.user or parts.username
         host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
         netloc = host + (f":{parts.port}" if parts.port else "") if host else parts.netloc  # without user:password@
-        request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=netloc)))
+        authorization = None
         if user is not None:
-            token = base64.b64encode(f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password or '')}".encode())
-            request.add_header("Authorization", "Basic " + token.decode())
+            token = f"{urllib.parse.unquote(user)}:{self._password() or ''}"
+            authorization = "Basic " + base64.b64encode(token.encode()).decode()
         context = None
         if parts.scheme == "https":
             context = ssl.create_default_context(cafile=self.cafile)
@@ -74,8 +141,12 @@ class Endpoint:
                 context.verify_mode = ssl.CERT_NONE
             if self.certfile:
                 context.load_cert_chain(self.certfile, self.keyfile)
-        with urllib.request.urlopen(request, timeout=self.timeout, context=context) as response:
-            return response.read().decode("utf-8", "replace")
+        response = fetch.get(urllib.parse.urlunsplit(parts._replace(netloc=netloc)), authorization=authorization,
+                             context=context, timeout=self.timeout, max_bytes=self.max_bytes, proxy=self.proxy)
+        if response.content_type.lower().startswith("text/html"):
+            metrics = mask_credentials(urllib.parse.urlunsplit(parts._replace(path="/metrics", query="")))
+            raise fetch.FetchError(f"{self.shown} is a web page, not the metrics; run: gradmon top {metrics}")
+        return response.body.decode("utf-8", "replace")
 
 
 @dataclass
@@ -102,17 +173,35 @@ class Target:
 
 
 def parse(text: str) -> Dict[Tuple[str, str], Target]:
-    """Every gradmon sample of an exposition, grouped by (model, rank)."""
+    """Every gradmon sample of an exposition, grouped by (model, rank); names, label names
+    and label values cleaned, so nothing the endpoint wrote reaches the screen raw."""
     targets: Dict[Tuple[str, str], Target] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if not s.name.startswith(M.PREFIX + "_") or "model" not in s.labels:
                 continue
-            labels = dict(s.labels)
+            labels = {clean(k): clean(v) for k, v in s.labels.items()}
             key = (labels.pop("model"), labels.pop("rank", "0"))
             target = targets.setdefault(key, Target(*key))
-            target.samples.setdefault(s.name, []).append((labels, s.value))
+            target.samples.setdefault(clean(s.name), []).append((labels, s.value))
     return targets
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One read of the endpoint: when it ended, and the targets it showed or why it failed."""
+
+    at: float
+    result: Union[Dict[Tuple[str, str], Target], Exception]
+
+
+def read(endpoint: Endpoint, clock: Callable[[], float] = time.monotonic) -> Scrape:
+    """Fetch and parse once; a failure is returned, not raised (it may cross threads)."""
+    try:
+        result: Union[Dict[Tuple[str, str], Target], Exception] = parse(endpoint.fetch())
+    except Exception as exc:  # unreachable, refused, too slow, too large, not an exposition
+        result = exc
+    return Scrape(clock(), result)
 
 
 # -- what the view remembers ----------------------------------------------------------------
@@ -137,20 +226,25 @@ class View:
         self.updated: Optional[float] = None
 
     def refresh(self) -> None:
-        try:
-            targets = parse(self.endpoint.fetch())
-        except Exception as exc:  # unreachable, refused, bad certificate: shown, and retried
-            self.error = f"{type(exc).__name__}: {exc}"
+        self.take(read(self.endpoint, self.clock))
+
+    def take(self, scrape: Scrape) -> None:
+        """Remember one scrape. A redirect is raised: it is never retried nor followed."""
+        if isinstance(scrape.result, fetch.Redirected):
+            raise scrape.result
+        if isinstance(scrape.result, Exception):  # shown, and retried
+            exc = scrape.result
+            message = str(exc) if isinstance(exc, fetch.FetchError) else f"{type(exc).__name__}: {exc}"
+            self.error = self.endpoint.redact(message[:500])
             return
         self.error = None
-        now = self.clock()
         self.updated = time.time()
-        self.targets = {k: t for k, t in targets.items() if self.model is None or t.model == self.model}
+        self.targets = {k: t for k, t in scrape.result.items() if self.model is None or t.model == self.model}
         for key, t in self.targets.items():
             readings = self.history[key]
-            readings.append(Reading(now, t.value(M.exposed_names(M.STEPS)[0]), t.value(M.GRAD_GLOBAL_NORM.name),
-                                    _nonfinite_total(t)))
-            while readings and readings[0].at < now - HISTORY_SECONDS:
+            readings.append(Reading(scrape.at, t.value(M.exposed_names(M.STEPS)[0]),
+                                    t.value(M.GRAD_GLOBAL_NORM.name), _nonfinite_total(t)))
+            while readings and readings[0].at < scrape.at - HISTORY_SECONDS:
                 readings.popleft()
 
     def steps_per_second(self, key: Tuple[str, str], window: float = 10.0) -> Optional[float]:
@@ -164,6 +258,38 @@ class View:
         return (last.steps - first.steps) / (last.at - first.at) if last.at > first.at else None
 
 
+class Poller:
+    """Reads the endpoint every ``interval`` seconds on a thread of its own, so the screen
+    answers keys while a read waits out its deadline."""
+
+    def __init__(self, endpoint: Endpoint, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint, self.interval, self.clock = endpoint, interval, clock
+        self._scrapes: "queue.Queue[Scrape]" = queue.Queue()
+        self._stopped = threading.Event()
+        # a daemon: a read in flight when the user quits ends at its deadline, or with the process
+        self._thread = threading.Thread(target=self._run, name="top-poller", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            began = time.monotonic()
+            self._scrapes.put(read(self.endpoint, self.clock))
+            if self._stopped.wait(max(0.0, self.interval - (time.monotonic() - began))):
+                return
+
+    def scrapes(self) -> List[Scrape]:
+        """The scrapes that arrived since the last call, oldest first."""
+        out = []
+        while True:
+            try:
+                out.append(self._scrapes.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
 def _nonfinite_total(t: Target) -> float:
     """Non-finite elements this target counted, every tensor: the rank-level counters where
     it exports them (every rank does), else its per-layer ones."""
@@ -175,12 +301,18 @@ def _nonfinite_total(t: Target) -> float:
 
 # -- local checks ----------------------------------------------------------------------------
 
+def _sure(t: Target, readings: Sequence[Reading], th: Thresholds) -> Optional[str]:
+    return None
+
+
 @dataclass(frozen=True)
 class Check:
-    """The instant part of one alert rule: ``hits`` lists what crosses its threshold now."""
+    """The instant part of one alert rule: ``hits`` lists what crosses its threshold now;
+    ``unsure`` says why a check that needs history cannot pass yet (None: it can)."""
 
     alert: str
     hits: Callable[[Target, Sequence[Reading], Thresholds], List[str]]
+    unsure: Callable[[Target, Sequence[Reading], Thresholds], Optional[str]] = _sure
 
 
 def _past_warmup(t: Target, th: Thresholds) -> bool:
@@ -198,13 +330,30 @@ def _above(name: str, limit: Callable[[Thresholds], float], what: str, warmup: b
     return hits
 
 
+def _increase(values: Sequence[float]) -> float:
+    """What a counter gained over ``values``: a drop is a restart from 0, as in PromQL."""
+    return sum(b - a if b >= a else b for a, b in zip(values, values[1:]))
+
+
 def _nonfinite(t: Target, readings: Sequence[Reading], th: Thresholds) -> List[str]:
-    if len(readings) < 2 or readings[-1].nonfinite <= readings[0].nonfinite:
+    recent = [r.nonfinite for r in readings if r.at >= readings[-1].at - NONFINITE_WINDOW] if readings else []
+    new = _increase(recent)
+    if not new > 0:
         return []
-    new = readings[-1].nonfinite - readings[0].nonfinite
-    origin = ", ".join(f"{have.get('tensor')} {have.get('layer')} at step {v:.0f}"
+    origin = ", ".join(f"{have.get('tensor')} {have.get('layer')} at step {_int(v)}"
                        for have, v in t.samples.get(M.NONFINITE_ORIGIN.name, ()))
-    return [f"{_num(new)} new NaN/Inf elements" + (f" (started: {origin})" if origin else "")]
+    return [f"{_int(new)} new NaN/Inf elements" + (f" (started: {origin})" if origin else "")]
+
+
+def _nonfinite_unsure(t: Target, readings: Sequence[Reading], th: Thresholds) -> Optional[str]:
+    """Elements counted, none new while watched: the rule looks back further than top has
+    (a late start, or ``--once``), so whether it fires is not known here."""
+    counted = readings[-1].nonfinite if readings else _nonfinite_total(t)
+    watched = readings[-1].at - readings[0].at if readings else 0.0
+    if counted > 0 and watched < NONFINITE_WINDOW:
+        return (f"not enough history: {_int(counted)} NaN/Inf elements counted, none new in the {watched:.0f} s "
+                f"watched (the rule looks back {dur(NONFINITE_WINDOW)})")
+    return None
 
 
 def _explosion(t: Target, _: Sequence[Reading], th: Thresholds) -> List[str]:
@@ -239,7 +388,7 @@ def _loss_scale(t: Target, _: Sequence[Reading], th: Thresholds) -> List[str]:
 
 
 CHECKS: Tuple[Check, ...] = (
-    Check("GradmonNonFiniteGradients", _nonfinite),
+    Check("GradmonNonFiniteGradients", _nonfinite, _nonfinite_unsure),
     Check("GradmonRunFailed", _failed),
     Check("GradmonGradientExplosion", _explosion),
     Check("GradmonVanishingGradients", _vanishing),
@@ -272,6 +421,13 @@ def _num(x: Optional[float]) -> str:
     return f"{x:.3g}" if 1e-3 <= abs(x) < 1e5 or x == 0 else f"{x:.2e}"
 
 
+def _int(x: Optional[float]) -> str:
+    """A count or a step, in full (``81234``, not ``8.12e+04``); a fraction as :func:`_num`."""
+    if x is not None and math.isfinite(x) and x == int(x):
+        return str(int(x))
+    return _num(x)
+
+
 def sparkline(values: Sequence[float], chars: str = SPARK) -> str:
     """One character per value on a log scale between the smallest and largest positive
     finite value; a non-finite value is ``!``, a missing or non-positive one a space."""
@@ -291,27 +447,28 @@ def sparkline(values: Sequence[float], chars: str = SPARK) -> str:
     return "".join(out)
 
 
-def render(view: View, width: int = 100, chars: str = SPARK) -> List[str]:
-    """The frame as lines of at most ``width`` characters."""
+def render(view: View, width: int = 100, chars: str = SPARK, interactive: bool = False) -> List[str]:
+    """The frame as lines of at most ``width`` characters, each through :func:`clean` (what
+    came from the endpoint is clean already; this is the one gate to every output mode)."""
     when = time.strftime("%H:%M:%S", time.localtime(view.updated)) if view.updated else "never"
-    lines = [f"gradmon top  {view.endpoint.url}  read {when}  (q quits)"]
+    lines = [f"gradmon top  {view.endpoint.shown}  read {when}" + ("  (q quits)" if interactive else "")]
     if view.error:
         lines.append(f"cannot read the endpoint: {view.error}")
     if not view.targets:
-        lines.append("no gradmon model on this endpoint yet" if not view.error else "")
+        lines.append("" if view.error else "no gradmon model on this endpoint yet" if view.updated
+                     else "reading the endpoint...")
     for key in sorted(view.targets):
         lines += [""] + _render_target(view, key, chars)
-    return [line[:width] for line in lines]
+    return [clean(line)[:width] for line in lines]
 
 
 def _render_target(view: View, key: Tuple[str, str], chars: str) -> List[str]:
-    t, readings, th = view.targets[key], list(view.history[key]), view.thresholds
+    t, readings = view.targets[key], list(view.history[key])
     state = next((have["state"] for have, v in t.samples.get(M.RUN_STATE.name, ()) if v == 1), "-")
     rate = view.steps_per_second(key)
-    step = t.value(M.STEP.name)
-    lines = [f"model {t.model}  rank {t.rank}  state {state}  step {_num(step) if step is not None else '-'}  "
-             f"steps {_num(t.value(M.exposed_names(M.STEPS)[0]))}  steps/s {_num(rate) if rate is not None else '-'}  "
-             f"world {_num(t.value(M.WORLD_SIZE.name))}"]
+    lines = [f"model {t.model}  rank {t.rank}  state {state}  step {_int(t.value(M.STEP.name))}  "
+             f"steps {_int(t.value(M.exposed_names(M.STEPS)[0]))}  steps/s {_num(rate)}  "
+             f"world {_int(t.value(M.WORLD_SIZE.name))}"]
     recent = [r.global_norm for r in readings if r.at >= readings[-1].at - 60] if readings else []
     norm = t.value(M.GRAD_GLOBAL_NORM.name)
     lines.append(f"global norm {_num(norm)}  {sparkline(recent, chars)}  (last minute, log scale)")
@@ -319,29 +476,46 @@ def _render_target(view: View, key: Tuple[str, str], chars: str) -> List[str]:
     extras += [f"lr[{have.get('group')}] {_num(v)}" for have, v in t.samples.get(M.LEARNING_RATE.name, ())][:4]
     if extras:
         lines.append("  ".join(extras))
-    norms = t.by_layer(M.GRAD_NORM.name)
-    if norms:
-        ranked = sorted(norms.items(), key=lambda kv: (-kv[1] if kv[1] == kv[1] else -math.inf))
-        name_w = min(40, max(len(layer) for layer in norms))
-        lines.append(f"{'largest gradient norms':<{name_w + 12}}smallest")
-        top, bottom = ranked[:10], sorted(norms.items(), key=lambda kv: kv[1])[:5]
-        for i in range(len(top)):
-            left = f"  {top[i][0][:name_w]:<{name_w}} {_num(top[i][1]):>9}"
-            right = f"  {bottom[i][0][:name_w]:<{name_w}} {_num(bottom[i][1]):>9}" if i < len(bottom) else ""
-            lines.append(f"{left}{right}")
-    else:
-        lines.append("per-layer gradient norms: not exported here (a data-parallel rank other than 0)")
-    counts = collections.Counter()
+    lines += _layer_table(t.by_layer(M.GRAD_NORM.name))
+    counts: Dict[str, float] = collections.Counter()
     for have, v in t.samples.get(M.exposed_names(M.RANK_NONFINITE)[0], ()):
-        counts[have.get("tensor")] += v
-    origin = [f"{have.get('tensor')}: {have.get('layer')} at step {v:.0f}"
+        counts[have.get("tensor", "")] += v
+    origin = [f"{have.get('tensor')}: {have.get('layer')} at step {_int(v)}"
               for have, v in t.samples.get(M.NONFINITE_ORIGIN.name, ())]
-    lines.append("non-finite elements: " + ("  ".join(f"{k} {v:.0f}" for k, v in sorted(counts.items())) or "-")
+    lines.append("non-finite elements: " + ("  ".join(f"{k} {_int(v)}" for k, v in sorted(counts.items())) or "-")
                  + (f"  (started in {'; '.join(origin)})" if origin else ""))
-    lines.append("local checks (the alert rules' instant thresholds; durations, baselines, ranks: Prometheus):")
+    seen = bool(origin) or any(v != 0 for v in counts.values()) or _nonfinite_total(t) != 0
+    return lines + _check_lines(t, readings, view.thresholds, seen)
+
+
+def _layer_table(norms: Dict[str, float]) -> List[str]:
+    if not norms:
+        return ["per-layer gradient norms: not exported here (a data-parallel rank other than 0)"]
+    ranked = sorted(norms.items(), key=lambda kv: (-kv[1] if kv[1] == kv[1] else -math.inf))
+    name_w = min(40, max(len(layer) for layer in norms))
+    lines = [f"{'largest gradient norms':<{name_w + 12}}smallest"]
+    top, bottom = ranked[:10], sorted(norms.items(), key=lambda kv: kv[1])[:5]
+    for i in range(len(top)):
+        left = f"  {top[i][0][:name_w]:<{name_w}} {_num(top[i][1]):>9}"
+        right = f"  {bottom[i][0][:name_w]:<{name_w}} {_num(bottom[i][1]):>9}" if i < len(bottom) else ""
+        lines.append(f"{left}{right}")
+    return lines
+
+
+def _check_lines(t: Target, readings: Sequence[Reading], th: Thresholds, nonfinite_seen: bool) -> List[str]:
+    """What fires (``!!``), what cannot be known yet (``??``), and "ok" only when nothing
+    fires, every check could decide, and no non-finite value was counted."""
+    lines = ["local checks (the alert rules' instant thresholds; durations, baselines, ranks: Prometheus):"]
     fired = [(c.alert, hit) for c in CHECKS for hit in c.hits(t, readings, th)]
-    if fired:
-        lines += [f"  !! {alert}: {hit}" for alert, hit in fired]
+    firing = {alert for alert, _ in fired}
+    unsure = [(c.alert, why) for c in CHECKS if c.alert not in firing for why in [c.unsure(t, readings, th)] if why]
+    lines += [f"  !! {alert}: {hit}" for alert, hit in fired] + [f"  ?? {alert}: {why}" for alert, why in unsure]
+    quiet = len(CHECKS) - len(firing) - len(unsure)
+    if fired or unsure:
+        lines.append(f"  the other {quiet} local checks: nothing over their thresholds")
+    elif nonfinite_seen:
+        lines.append(f"  none of the {len(CHECKS)} local checks fires now; the non-finite values above are older "
+                     f"than {dur(NONFINITE_WINDOW)}")
     else:
         lines.append(f"  ok: all {len(CHECKS)} local checks pass")
     return lines
@@ -366,26 +540,37 @@ def _plain(view: View, interval: float, out) -> int:
 def _screen(view: View, interval: float) -> int:
     import curses
 
+    def draw(screen, chars: str) -> None:
+        height, width = screen.getmaxyx()
+        screen.erase()
+        for row, line in enumerate(render(view, width=max(1, width - 1), chars=chars, interactive=True)[:height]):
+            try:
+                screen.addstr(row, 0, line)
+            except curses.error:  # the last cell of a small window
+                pass
+        screen.refresh()
+
     def loop(screen) -> int:
         try:
             curses.curs_set(0)
         except curses.error:  # a terminal without cursor control
             pass
-        screen.timeout(int(interval * 1000))
-        chars = _chars()
-        while True:
-            view.refresh()
-            height, width = screen.getmaxyx()
-            screen.erase()
-            for row, line in enumerate(render(view, width=max(1, width - 1), chars=chars)[:height]):
-                try:
-                    screen.addstr(row, 0, line)
-                except curses.error:  # the last cell of a small window
-                    pass
-            screen.refresh()
-            key = screen.getch()  # waits up to ``interval``
-            if key in (ord("q"), ord("Q"), 27):
-                return 0
+        screen.timeout(KEY_WAIT_MS)
+        chars, stale = _chars(), True
+        poller = Poller(view.endpoint, interval, view.clock)
+        try:
+            while True:
+                scrapes = poller.scrapes()
+                for scrape in scrapes:
+                    view.take(scrape)
+                if scrapes or stale:
+                    draw(screen, chars)
+                key = screen.getch()  # waits up to KEY_WAIT_MS, whatever the endpoint does
+                if key in (ord("q"), ord("Q"), 27):
+                    return 0
+                stale = key == curses.KEY_RESIZE
+        finally:
+            poller.stop()
 
     try:
         return curses.wrapper(loop)
@@ -393,10 +578,36 @@ def _screen(view: View, interval: float) -> int:
         return 0
 
 
-def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
-    out = sys.stdout if out is None else out
-    p = argparse.ArgumentParser(prog="gradmon top", description="A terminal view of a gradmon endpoint.")
-    p.add_argument("url", nargs="?", default=DEFAULT_URL, help=f"the /metrics URL (default {DEFAULT_URL})")
+def _size(text: str) -> int:
+    """A byte count: ``33554432``, ``32M``, ``512K``, ``1G`` (binary multiples)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
+    if not match or int(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive byte count such as 33554432 or 32M")
+    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2).upper() or " ")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gradmon top", description="A terminal view of a gradmon endpoint.",
+        epilog="The endpoint is treated as untrusted: each refresh must complete within --timeout and --max-bytes; "
+               "a redirect is never followed (its Location is printed and top exits 1, so credentials never go to "
+               "another host or from https to http); proxies from the environment (HTTP_PROXY, HTTPS_PROXY, "
+               "ALL_PROXY) are ignored, so only a proxy named with --proxy ever sees the request and its "
+               "credentials; anything the endpoint sends is shown with control, bidi and invisible characters "
+               "escaped; a password is never printed.")
+    p.add_argument("url", nargs="?", default=DEFAULT_URL,
+                   help=f"the /metrics URL (default {DEFAULT_URL}); a bare port (9400) means 127.0.0.1, and the "
+                        "live page's URL (http://host:9400/) means its /metrics")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--model", default=None, help="show this model only (several may share an endpoint)")
     p.add_argument("--user", default=None, help="basic-auth user (or user:password@ in the URL)")
@@ -406,17 +617,45 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     p.add_argument("--cert", default=None, help="client certificate (PEM) for mutual TLS")
     p.add_argument("--key", default=None, help="the client certificate's key (PEM)")
     p.add_argument("--insecure", action="store_true", help="do not verify the server's certificate")
+    p.add_argument("--timeout", type=_positive, default=fetch.DEFAULT_TIMEOUT,
+                   help=f"seconds one refresh may take, connect, headers and body together "
+                        f"(default {fetch.DEFAULT_TIMEOUT:g})")
+    p.add_argument("--max-bytes", type=_size, default=fetch.DEFAULT_MAX_BYTES,
+                   help="largest response accepted, e.g. 64M (default 32M); a larger one is refused")
+    p.add_argument("--proxy", default=None,
+                   help="read through this HTTP proxy, http://[user:password@]host:port (a CONNECT tunnel for an "
+                        "https URL); without it top connects directly, whatever the environment says")
     p.add_argument("--once", action="store_true", help="print one frame as text and exit (the default when "
                                                        "stdout is not a terminal)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
+    out = sys.stdout if out is None else out
+    p = _parser()
     args = p.parse_args(argv)
     if args.interval <= 0:
         p.error("--interval must be positive")
+    try:
+        url = metrics_url(args.url)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.proxy is not None and urllib.parse.urlsplit(args.proxy).scheme != "http":
+        p.error(f"--proxy takes an http:// proxy URL, not {clean(mask_credentials(args.proxy))!r}")
     password = os.environ.get("GRADMON_TOP_PASSWORD")
     if args.password_file:
         with open(args.password_file) as f:
             password = f.read().strip()
-    endpoint = Endpoint(args.url, args.user, password, args.cacert, args.cert, args.key, args.insecure)
+    endpoint = Endpoint(url, args.user, password, args.cacert, args.cert, args.key, args.insecure,
+                        args.timeout, args.max_bytes, args.proxy)
     view = View(endpoint, args.model)
-    if args.once or not (out is sys.stdout and sys.stdout.isatty()):
-        return _plain(view, min(args.interval, 1.0), out)
-    return _screen(view, args.interval)
+    try:
+        if args.once or not (out is sys.stdout and sys.stdout.isatty()):
+            return _plain(view, min(args.interval, 1.0), out)
+        return _screen(view, args.interval)
+    except fetch.Redirected as exc:
+        location = endpoint.redact(exc.location)
+        print(f"gradmon top: {endpoint.shown} answered HTTP {exc.status}, a redirect to {location}\n"
+              "Not followed: the credentials would go along, maybe to another host or unencrypted. If that "
+              f"address is the endpoint, run: gradmon top {location}", file=sys.stderr)
+        return 1
