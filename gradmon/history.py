@@ -48,10 +48,12 @@ class History:
         """One step's row. Steps only increase (``since`` cuts by them): a step numbered at
         or below the last row's, as a GradScaler's skipped step and the step after it are in
         a loop that numbers only applied steps, takes the next number."""
-        row = torch.full((len(self.layers),), math.nan)
+        row = torch.full((len(self.layers),), math.nan)  # NaN: no value this step
         if layer_norms:
-            row[torch.tensor(list(layer_norms), dtype=torch.int64)] = torch.tensor(list(layer_norms.values()),
-                                                                                 dtype=torch.float32)
+            norms = torch.tensor(list(layer_norms.values()), dtype=torch.float32)
+            # a NaN/Inf norm is kept as +Inf, apart from "no value", and wins its band's amax
+            row[torch.tensor(list(layer_norms), dtype=torch.int64)] = norms.nan_to_num(
+                nan=math.inf, posinf=math.inf, neginf=math.inf)
         values = torch.tensor([math.nan if v is None else v for v in (global_norm, loss, lr)]
                               + [float(nonfinite), float(skipped)])
         with self._lock:
@@ -92,11 +94,11 @@ class History:
             out[name] = _numbers(scalars[:, j], "{:.5g}")
         if len(self.rows) < len(self.layers):  # bands of layers: the largest norm of each
             banded = torch.full((heat.shape[0], len(self.rows)), -math.inf)
-            banded.scatter_reduce_(1, self._band.expand(heat.shape[0], -1), torch.nan_to_num(heat, nan=-math.inf),
+            banded.scatter_reduce_(1, self._band.expand(heat.shape[0], -1), torch.nan_to_num(heat, nan=-math.inf, posinf=math.inf),
                                    "amax")
             heat = banded
         out["heatmap"] = {"every": every, "rows": self.rows, "steps": column_steps.tolist(),
-                          "log10": [_numbers(torch.log10(col), "{:.2f}") for col in heat]}
+                          "log10": [_cells(torch.log10(col)) for col in heat]}
         return out
 
 
@@ -113,6 +115,17 @@ def _after(window: Dict[str, Any], since: Optional[int]) -> Dict[str, Any]:
 
 
 _SERIES = ("steps",) + _SCALARS
+
+
+NONFINITE = "nonfinite"
+"""A heatmap cell whose norm was NaN or Inf (null is a layer without a value that step)."""
+
+
+def _cells(log10: torch.Tensor) -> List[Any]:
+    """A heatmap column: log10 norms, :data:`NONFINITE` for a NaN/Inf norm, null for none
+    (or a norm of exactly zero, which has no logarithm)."""
+    return [NONFINITE if v == math.inf else float(f"{v:.2f}") if math.isfinite(v) else None
+            for v in log10.tolist()]
 
 
 def _numbers(values: torch.Tensor, fmt: str) -> List[Optional[float]]:

@@ -157,6 +157,9 @@ class Page:
     auth: bool  # behind basic auth, like the metrics
     ctype: str = "text/plain; charset=utf-8"
     ui: bool = False
+    # a ui page whose body never changes (the page's files): its validator. Cacheable and
+    # outside the rate limit, so a reload costs one data request and never shows a 429
+    etag: Optional[str] = None
 
 
 UI_RATE = 2.0  # requests a second per client address, with a burst of UI_BURST
@@ -164,6 +167,8 @@ UI_BURST = 6  # a page load: the page, its script and style, and its first data 
 UI_HEADERS = (("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'"),
               ("X-Content-Type-Options", "nosniff"), ("X-Frame-Options", "DENY"),
               ("Referrer-Policy", "no-referrer"), ("Cache-Control", "no-store"))
+# kept, and revalidated by its ETag before each use: never stale after an upgrade
+STATIC_HEADERS = tuple(h for h in UI_HEADERS if h[0] != "Cache-Control") + (("Cache-Control", "no-cache"),)
 
 
 class _Buckets:
@@ -434,11 +439,21 @@ class _Handler(BaseHTTPRequestHandler):
         if not site.host_ok(self.headers.get("Host", "")):
             return self._send(421, b"this endpoint does not answer to that Host name (see ui_hosts)\n",
                               headers=UI_HEADERS)
+        if page.etag is not None:
+            return self._static(page)
         if not site.ui_buckets.take(str(self.client_address[0])):
             return self._send(429, b"too many requests: the live page refreshes every few seconds\n",
                               headers=(("Retry-After", "1"),) + UI_HEADERS)
         query = self.target.split("?", 1)[1] if "?" in self.target else ""
         self._send(200, page.body(query), page.ctype, UI_HEADERS)
+
+    def _static(self, page: Page) -> None:
+        """One of the page's files: 304 without a body when the client holds this version."""
+        held = {tag.strip().replace("W/", "", 1) for tag in self.headers.get("If-None-Match", "").split(",")}
+        headers = (("ETag", page.etag),) + STATIC_HEADERS
+        if page.etag in held or "*" in held:
+            return self._send(304, b"", page.ctype, headers)
+        self._send(200, page.body(""), page.ctype, headers)
 
     def _authorized(self) -> bool:
         expected = self.server.site.auth

@@ -3,13 +3,15 @@
 Everything is served from the process: the page is three small files in
 ``gradmon/static`` (no CDN, no font, works offline), the data is each monitored model's
 :class:`gradmon.history.History` plus its latest snapshot, cut to what the page asks for
-(``since`` a step) and at most :data:`MAX_RESPONSE` bytes. GET only; no action can be
-taken from the page. Names reach the page as JSON strings and are written with
+(``since`` a step) and at most :data:`MAX_RESPONSE` bytes. The files are cacheable (an
+ETag, revalidated) and outside the rate limit, which only the data counts. GET only; no
+action can be taken from the page. Names reach the page as JSON strings and are written with
 ``textContent``, never as markup.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import socket
@@ -30,15 +32,17 @@ _FILES = {"/": ("index.html", "text/html; charset=utf-8"), "/app.js": ("app.js",
 
 def pages(views: Callable[[], Iterable[Any]]) -> Dict[str, Page]:
     """The live page's paths, for the models whose export views ``views()`` returns."""
-    out = {path: Page(_static(name), auth=True, ctype=ctype, ui=True) for path, (name, ctype) in _FILES.items()}
+    out = {path: _static(name, ctype) for path, (name, ctype) in _FILES.items()}
     out["/api/history"] = Page(lambda query: history_json(list(views()), query), auth=True,
                                ctype="application/json", ui=True)
     return out
 
 
-def _static(name: str) -> Callable[[str], bytes]:
+def _static(name: str, ctype: str) -> Page:
+    """One of the page's files, read once: cacheable, its validator the hash of its bytes."""
     body = resources.files("gradmon").joinpath("static", name).read_bytes()
-    return lambda query: body
+    etag = '"' + hashlib.sha256(body).hexdigest()[:20] + '"'
+    return Page(lambda query: body, auth=True, ctype=ctype, ui=True, etag=etag)
 
 
 def host_check(cfg: Config) -> Callable[[str], bool]:

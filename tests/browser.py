@@ -123,6 +123,14 @@ class Browser:
     def open(self, url: str) -> None:
         self.call("Page.navigate", url=url)
 
+    def reload(self) -> None:
+        """As the user's reload: the page again, its files revalidated from the cache."""
+        self.call("Page.reload")
+
+    def on_every_document(self, script: str) -> None:
+        """Run ``script`` in every document this page loads, before the page's own scripts."""
+        self.call("Page.addScriptToEvaluateOnNewDocument", source=script)
+
     def evaluate(self, expression: str) -> Any:
         result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
         if "exceptionDetails" in result:

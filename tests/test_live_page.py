@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import re
 import time
 import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from browser import Browser, png_colors
 from conftest import scrape, sgd_steps, tiny, value
 from gradmon import history as H
 from gradmon import ui
+from gradmon.server import UI_BURST, UI_RATE
 from gradmon.snapshot import Snapshot
 from servers import free_port, running_demo
 
@@ -215,3 +218,122 @@ def test_several_models_on_one_endpoint_are_listed_and_chosen_by_name(attach):
     assert {m["model"] for m in doc["models"]} == {"generator", "discriminator"}  # the page's selector
     assert doc["model"] == "discriminator" and doc["history"]["steps"] == [1, 2]
     assert json.loads(get(mon.port, "/api/history?model=generator", headers={})[2])["history"]["steps"] == [1, 2, 3, 4]
+
+
+def test_the_pages_files_are_cacheable_and_outside_the_rate_limit(attach):
+    mon = attach(tiny())
+    status, headers, _ = get(mon.port, "/app.js")
+    assert status == 200 and headers["Cache-Control"] == "no-cache" and headers["ETag"].startswith('"')
+    assert headers["Content-Security-Policy"] == "default-src 'self'; frame-ancestors 'none'"
+    status, again, body = get(mon.port, "/app.js", headers={"If-None-Match": headers["ETag"]})
+    assert status == 304 and body == b"" and again["ETag"] == headers["ETag"]  # the cached copy is current
+    files = [get(mon.port, path)[0] for _ in range(10) for path in ("/", "/app.js", "/app.css", "/favicon.svg")]
+    assert set(files) == {200}
+    # forty file requests took nothing from the data's own allowance: a page load's burst is left
+    assert [get(mon.port, "/api/history")[0] for _ in range(UI_BURST)] == [200] * UI_BURST
+    assert get(mon.port, "/api/history")[1]["Cache-Control"] == "no-store"  # the data is never cached
+
+
+# Every text the status line shows that is a failure (red) or names a 429, kept across reloads.
+RECORD_BANNERS = """
+document.addEventListener("DOMContentLoaded", () => {
+  const status = document.getElementById("status");
+  new MutationObserver(() => {
+    if (status.classList.contains("bad") || status.textContent.includes("429")) {
+      sessionStorage.setItem("banners", (sessionStorage.getItem("banners") || "") + status.textContent + "\\n");
+    }
+  }).observe(status, {childList: true, characterData: true, subtree: true, attributes: true});
+});
+"""
+
+
+@pytest.mark.slow
+def test_reloading_the_page_again_and_again_never_shows_a_rate_limit_banner(attach):
+    m = tiny()
+    mon = attach(m)
+    sgd_steps(m, 5)
+    mon.flush()
+    browser = Browser()
+    try:
+        browser.on_every_document(RECORD_BANNERS)
+        browser.open(f"http://127.0.0.1:{mon.port}/")
+        browser.until("document.body.dataset.step")
+        started = time.monotonic()
+        for _ in range(3 * UI_BURST):  # faster than the data's rate: some data requests meet its limit
+            browser.evaluate("window.before = true")
+            browser.reload()
+            browser.until("!window.before && document.body && document.body.dataset.step === '5'")
+        assert time.monotonic() - started < 3 * UI_BURST / UI_RATE, "the reloads were not quick"
+        assert browser.evaluate("sessionStorage.getItem('banners')") is None
+        assert "read at" in browser.evaluate("document.getElementById('status').textContent")
+    finally:
+        browser.close()
+
+
+class Branchy(torch.nn.Module):
+    """Three layers; ``b`` runs on odd steps only, so on even steps it has no gradient norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(self.b(h) if use_b else h)
+
+
+@pytest.mark.slow
+def test_nonfinite_heatmap_cells_are_drawn_apart_from_cells_without_a_value(attach):
+    torch.manual_seed(0)
+    model = Branchy()
+    mon = attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = [0]
+    model.a.weight.register_hook(lambda g: g * math.nan if step[0] == 4 else g)
+    for step[0] in range(1, 7):
+        model(torch.randn(3, 4), use_b=step[0] % 2 == 1).pow(2).mean().backward()
+        for p in model.parameters():  # the job's own guard: the weights stay finite
+            if p.grad is not None:
+                torch.nan_to_num_(p.grad, nan=0.0)
+        opt.step()
+        opt.zero_grad()
+    mon.flush()
+    heat = json.loads(get(mon.port, "/api/history")[2])["history"]["heatmap"]
+    rows, column = heat["rows"], heat["steps"].index(4)
+    assert heat["log10"][column][rows.index("a")] == H.NONFINITE
+    assert heat["log10"][column][rows.index("b")] is None
+    browser = Browser()
+    try:
+        browser.open(f"http://127.0.0.1:{mon.port}/")
+        browser.until("document.getElementById('heatmap').dataset.columns === '6'")
+
+        def cell(layer: str) -> list:
+            return browser.evaluate(f"""(() => {{
+                const c = document.getElementById('heatmap');
+                const x = Math.floor(({column} + 0.5) * c.width / 6), y = Math.floor(({rows.index(layer)} + 0.5) * c.height / 3);
+                return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3)); }})()""")
+
+        def legend(swatch: str) -> "tuple[list, str]":
+            color = browser.evaluate(f"getComputedStyle(document.getElementById('{swatch}')).backgroundColor")
+            label = browser.evaluate(f"document.getElementById('{swatch}').nextElementSibling.textContent")
+            return [int(v) for v in re.findall(r"\d+", color)[:3]], label
+
+        nonfinite, no_value = legend("nonfinitecell"), legend("novalue")
+        assert nonfinite[1] == "NaN/Inf" and no_value[1] == "no value"
+        assert nonfinite[0] != no_value[0]
+        assert cell("a") == nonfinite[0]  # a's NaN norm at step 4
+        assert cell("b") == no_value[0]  # b did not run at step 4
+        assert cell("c") not in (nonfinite[0], no_value[0])  # a finite norm: a colour of the ramp
+        assert browser.errors == [], browser.errors
+    finally:
+        browser.close()
+
+
+@pytest.mark.parametrize("layers", [3, 600], ids=["a-row-a-layer", "bands-of-layers"])
+def test_a_nonfinite_norm_is_kept_apart_from_a_layer_without_a_value(layers):
+    hist = H.History([f"l{i}" for i in range(layers)], 10)
+    hist.record(1, math.nan, 1.0, 0.1, True, {0: math.nan, 1: 100.0})  # the last layer: no value
+    hist.record(2, math.inf, 1.0, 0.1, True, {0: math.inf, 1: 100.0})
+    for column in hist.document()["heatmap"]["log10"]:
+        assert column[0] == H.NONFINITE and column[-1] is None
+        assert layers > H.MAX_ROWS or column[1] == 2.0

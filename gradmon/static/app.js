@@ -10,6 +10,7 @@
   const $ = (id) => document.getElementById(id);
 
   let state = fresh(null);
+  let limited = 0;  // answers in a row that were the endpoint's rate limit (429)
 
   function fresh(model) {
     return {
@@ -31,16 +32,24 @@
     const query = new URLSearchParams();
     if (state.model !== null) query.set("model", state.model);
     if (state.since !== null) query.set("since", String(state.since));
+    let wait = REFRESH_MS;
     try {
       const response = await fetch("api/history?" + query.toString(), { cache: "no-store", credentials: "same-origin" });
-      if (!response.ok) throw new Error("HTTP " + response.status);
-      apply(await response.json());
-      $("status").classList.remove("bad");
+      if (response.status === 429) {
+        // the rate limit (quick reloads, several tabs): no failure, ask again when it says
+        wait = Math.max(1000, 1000 * (Number(response.headers.get("Retry-After")) || 1));
+        if (++limited >= 3) text($("status"), "the endpoint limits requests (several pages open?); waiting");
+      } else {
+        if (!response.ok) throw new Error("HTTP " + response.status);
+        apply(await response.json());
+        limited = 0;
+        $("status").classList.remove("bad");
+      }
     } catch (err) {
       text($("status"), "cannot read the endpoint (" + err.message + "); retrying");
       $("status").classList.add("bad");
     }
-    window.setTimeout(refresh, REFRESH_MS);
+    window.setTimeout(refresh, wait);
   }
 
   function apply(doc) {
@@ -210,23 +219,27 @@
     return "rgb(" + c.join(",") + ")";
   }
 
+  // a cell's colour when it has no number: its legend swatch's, so the two cannot differ
+  const swatch = (id) => window.getComputedStyle($(id)).backgroundColor;
+
   function heatmap(canvas) {
     const ctx = canvas.getContext("2d");
     const cols = state.heat.cols, nrows = state.heat.rows.length;
     ctx.clearRect(0, 0, canvas.width, canvas.height);
     canvas.dataset.columns = String(cols.length);
     if (!cols.length || !nrows) return;
+    const none = swatch("novalue"), nonfinite = swatch("nonfinitecell");
     let lo = Infinity, hi = -Infinity;
-    for (const col of cols) for (const v of col) if (v !== null) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+    for (const col of cols) for (const v of col) if (typeof v === "number") { lo = Math.min(lo, v); hi = Math.max(hi, v); }
     if (lo === Infinity) { lo = 0; hi = 1; }
     if (hi === lo) { lo -= 0.5; hi += 0.5; }
     const cw = canvas.width / cols.length, rh = canvas.height / nrows;
     cols.forEach((col, j) => col.forEach((v, r) => {
-      ctx.fillStyle = v === null ? "#9e9e9e" : color((v - lo) / (hi - lo));
+      ctx.fillStyle = typeof v === "number" ? color((v - lo) / (hi - lo)) : v === "nonfinite" ? nonfinite : none;
       ctx.fillRect(j * cw, r * rh, Math.ceil(cw), Math.ceil(rh));
     }));
     text($("heatlow"), fmt(Math.pow(10, lo)));
-    text($("heathigh"), fmt(Math.pow(10, hi)) + " (grey: no value or non-finite)");
+    text($("heathigh"), fmt(Math.pow(10, hi)));
   }
 
   $("model").addEventListener("change", (event) => { state = fresh(event.target.value); });
