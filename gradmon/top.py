@@ -244,7 +244,8 @@ class View:
             readings = self.history[key]
             readings.append(Reading(scrape.at, t.value(M.exposed_names(M.STEPS)[0]),
                                     t.value(M.GRAD_GLOBAL_NORM.name), _nonfinite_total(t)))
-            while readings and readings[0].at < scrape.at - HISTORY_SECONDS:
+            # one reading at or before the window's start stays: it says the window was watched whole
+            while len(readings) > 1 and readings[1].at <= scrape.at - HISTORY_SECONDS:
                 readings.popleft()
 
     def steps_per_second(self, key: Tuple[str, str], window: float = 10.0) -> Optional[float]:

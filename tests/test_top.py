@@ -15,6 +15,7 @@ import pytest
 import gradmon
 from conftest import sgd_steps, tiny
 from gradmon import alerting, top
+from hostile_servers import RawServer, drip, exposition as hostile_exposition, respond
 from servers import free_port, running_demo
 
 
@@ -61,9 +62,11 @@ def field(screen: str, name: str) -> float:
 def test_top_in_a_real_terminal_refreshes_names_the_nan_and_quits_on_q():
     port = free_port()
     with running_demo(port, "--steps", "0", "--step-delay", "0.03", "--fault", "nan@250"):
-        term = Terminal(f"gradmon-top-{port}", f"{sys.executable} -m gradmon top http://127.0.0.1:{port}/metrics")
+        # the live page's URL, as the demo prints it: top reads its /metrics
+        term = Terminal(f"gradmon-top-{port}", f"{sys.executable} -m gradmon top http://127.0.0.1:{port}/")
         try:
             first = term.until(lambda s: "model demo" in s and "largest gradient norms" in s and "steps/s" in s)
+            assert f"gradmon top  http://127.0.0.1:{port}/metrics" in first and "(q quits)" in first
             later = term.until(lambda s: "model demo" in s and field(s, "steps") > field(first, "steps") + 20)
             assert "state training" in later and "ok: all" in later
             assert "blocks.0.fc1" in later  # a layer of the demo's model, by name
@@ -171,3 +174,130 @@ def test_top_reads_an_ipv6_endpoint_with_credentials_in_the_url():
         assert "model sequential  rank 0" in out.getvalue()
     finally:
         mon.detach()
+
+
+def quits_within(term: Terminal, seconds: float) -> float:
+    """Press q; how long the terminal's process took to end (fails after ``seconds``)."""
+    began = time.monotonic()
+    term.run("send-keys", "-t", term.name, "q")
+    while term.alive():
+        assert time.monotonic() - began < seconds, f"q did not quit within {seconds} s"
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
+def test_q_quits_at_once_while_the_endpoint_drips():
+    with RawServer(drip(every=0.5)) as server:
+        term = Terminal(f"gradmon-top-drip-{server.port}",
+                        f"{sys.executable} -m gradmon top {server.url} --timeout 60")
+        try:
+            term.until(lambda s: "reading the endpoint" in s, timeout=30)
+            time.sleep(1.0)  # the read is now well inside its 60 s deadline
+            assert server.requests and server.sent > 0
+            quits_within(term, 3.0)
+        finally:
+            term.close()
+
+
+def test_escape_sequences_from_the_endpoint_do_not_reach_the_terminal():
+    body = hostile_exposition(model="m\x1b]2;pwned\x07\x1b[2J", layer="fc\x1b]2;again\x071")
+    with RawServer(respond(body=body)) as server:
+        term = Terminal(f"gradmon-top-esc-{server.port}", f"{sys.executable} -m gradmon top {server.url}")
+        try:
+            screen = term.until(lambda s: "largest gradient norms" in s)
+            assert "model m\\x1b]2;pwned\\x07\\x1b[2J  rank 0" in screen
+            assert "fc\\x1b]2;again\\x071" in screen
+            title = term.run("display-message", "-p", "-t", term.name, "#{pane_title}").stdout
+            assert "pwned" not in title and "again" not in title
+        finally:
+            term.close()
+
+
+# -- what the user meant, said plainly ---------------------------------------------------------
+
+@pytest.mark.parametrize("typed, meant", [
+    ("9400", "http://127.0.0.1:9400/metrics"),
+    (":9400", "http://127.0.0.1:9400/metrics"),
+    ("node1:9400", "http://node1:9400/metrics"),
+    ("http://node1:9400/", "http://node1:9400/metrics"),
+    ("https://node1:9400", "https://node1:9400/metrics"),
+    ("http://node1:9400/metrics", "http://node1:9400/metrics"),
+    ("http://[::1]:9400/", "http://[::1]:9400/metrics"),
+])
+def test_a_port_a_host_or_the_pages_url_means_its_metrics(typed, meant):
+    assert top.metrics_url(typed) == meant
+
+
+@pytest.mark.parametrize("typed", ["ftp://node1:9400/metrics", "http://node1:99999/", "70000", "http:///metrics"])
+def test_a_url_top_cannot_read_is_refused_with_what_to_type(typed, capsys):
+    with pytest.raises(SystemExit) as exit:
+        top.main([typed, "--once"])
+    assert exit.value.code == 2
+    assert "e.g. gradmon top http://127.0.0.1:9400/metrics, or just gradmon top 9400" in capsys.readouterr().err
+
+
+def test_the_pages_url_and_a_bare_port_read_a_real_endpoint():
+    m = tiny()
+    with gradmon.attach(m, port=0, addr="127.0.0.1", final_scrape_timeout=0) as mon:
+        sgd_steps(m, 3)
+        mon.flush()
+        for typed in (mon.url[:-len("metrics")], str(mon.port)):
+            out = io.StringIO()
+            assert top.main([typed, "--once", "--interval", "0.1"], out=out) == 0, out.getvalue()
+            assert "model sequential  rank 0" in out.getvalue()
+
+
+def test_a_web_page_where_the_metrics_should_be_says_what_to_type():
+    page = respond(headers=(b"Content-Type: text/html; charset=utf-8",), body=b"<html>a page</html>")
+    with RawServer(page) as server:
+        out = io.StringIO()
+        assert top.main([server.url.replace("/metrics", "/index.html"), "--once"], out=out) == 1
+    assert f"is a web page, not the metrics; run: gradmon top {server.url}" in out.getvalue()
+
+
+def test_once_prints_no_quit_hint():
+    with RawServer(respond(body=hostile_exposition())) as server:
+        out = io.StringIO()
+        assert top.main([server.url, "--once", "--interval", "0.1"], out=out) == 0
+    assert "model m  rank 0" in out.getvalue() and "q quits" not in out.getvalue()
+
+
+def frame(*texts: str, clock=None) -> str:
+    """The frame after one refresh per exposition, a second apart (or at ``clock``'s times)."""
+    times = iter(clock or range(len(texts)))
+    view = top.View(Fixed(texts), clock=lambda: float(next(times)))
+    for _ in texts:
+        view.refresh()
+    return "\n".join(top.render(view, width=300))
+
+
+def test_steps_and_counts_print_as_integers():
+    text = exposition("gradmon_steps_total 81234", "gradmon_step 81234", "gradmon_world_size 128",
+                      'gradmon_rank_nonfinite_total{tensor="grad",kind="nan"} 1234567',
+                      'gradmon_nonfinite_origin_step{tensor="grad",layer="fc"} 81230')
+    shown = frame(text)
+    assert "step 81234  steps 81234" in shown and "world 128" in shown
+    assert "grad 1234567  (started in grad: fc at step 81230)" in shown
+
+
+def test_a_late_start_with_nans_counted_says_not_enough_history_and_never_ok():
+    text = exposition("gradmon_steps_total 900", 'gradmon_rank_nonfinite_total{tensor="grad",kind="nan"} 32',
+                      'gradmon_nonfinite_origin_step{tensor="grad",layer="fc"} 400')
+    shown = frame(text, text)
+    assert "?? GradmonNonFiniteGradients: not enough history: 32 NaN/Inf elements counted, none new in the 1 s " \
+           "watched (the rule looks back 5m)" in shown
+    assert "ok:" not in shown
+
+
+def test_nans_older_than_the_rules_window_are_not_called_ok():
+    text = exposition("gradmon_steps_total 900", 'gradmon_rank_nonfinite_total{tensor="grad",kind="nan"} 32')
+    shown = frame(text, text, clock=[0.0, top.NONFINITE_WINDOW + 1])
+    assert "none of the 12 local checks fires now; the non-finite values above are older than 5m" in shown
+    assert "?? " not in shown and "ok:" not in shown
+
+
+def test_ok_is_never_printed_beside_a_firing_check():
+    th = alerting.Thresholds()
+    shown = frame(exposition("gradmon_steps_total 500", f"gradmon_grad_global_norm {th.explode_abs * 2}"))
+    assert "!! GradmonGradientExplosion" in shown
+    assert "the other 11 local checks: nothing over their thresholds" in shown and "ok:" not in shown
