@@ -141,9 +141,10 @@ def _connect(host: str, port: int, deadline: Deadline) -> socket.socket:
     """A TCP connection to the first address of ``host`` that answers before the deadline."""
     error: Optional[OSError] = None
     for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        left = deadline.left()
         sock = socket.socket(family, kind, proto)
         try:
-            sock.settimeout(deadline.left())
+            sock.settimeout(left)
             sock.connect(address)
             return sock
         except socket.timeout:
@@ -164,7 +165,8 @@ def get(url: str, *, authorization: Optional[str] = None, context: Optional[ssl.
     deadline = Deadline(timeout)
     parts = urllib.parse.urlsplit(url)
     host, port = _host_port(parts)
-    target = urllib.parse.quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~") + (f"?{parts.query}" if parts.query else "")
+    target = urllib.parse.quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~")
+    target += f"?{urllib.parse.quote(parts.query, safe='=&%+')}" if parts.query else ""
     headers = {"Host": _authority(host, port, parts.scheme), "User-Agent": "gradmon-top",
                "Accept": "text/plain", "Accept-Encoding": "identity", "Connection": "close"}
     if authorization:
@@ -220,7 +222,8 @@ def _tunnel(wire: "_Wire", host: str, port: int, proxy: str) -> None:
 
 
 def _head(request_line: str, headers: dict) -> bytes:
-    return (f"{request_line} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode("latin-1")
+    lines = [f"{request_line} HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
+    return "\r\n".join(lines).encode("latin-1")
 
 
 def _proxy_auth(proxy: str) -> dict:
@@ -239,8 +242,8 @@ def _tls(sock: socket.socket, host: str, context: ssl.SSLContext, deadline: Dead
 
 def _read(response: http.client.HTTPResponse, url: str, max_bytes: int) -> Response:
     if 300 <= response.status < 400:
-        location = response.getheader("Location") or "(no Location)"
-        shown = mask_credentials(urllib.parse.urljoin(mask_credentials(url), location))
+        location = response.getheader("Location")
+        shown = mask_credentials(urllib.parse.urljoin(mask_credentials(url), location)) if location else "(no Location)"
         raise Redirected(response.status, shown[:_SHOWN_LOCATION] + ("..." if len(shown) > _SHOWN_LOCATION else ""))
     if response.status != 200:
         raise HTTPError(response.status, response.reason[:200])
