@@ -5,8 +5,8 @@ not the request (one byte a second keeps a read alive for ever), it reads a body
 size, follows redirects with the ``Authorization`` header (to another host, or from https
 to cleartext http), and hands credentials to whatever proxy the environment names. Here:
 
-* one monotonic :class:`Deadline` covers name lookup's connects, the TLS handshake, the
-  request, the headers and the body; every socket read waits at most the time left;
+* one monotonic :class:`Deadline` covers the name lookup, the connects, the TLS handshake,
+  the request, the headers and the body; every socket read waits at most the time left;
 * the body is read in chunks up to ``max_bytes`` and refused beyond;
 * a redirect is never followed: :class:`Redirected` carries the ``Location``;
 * no proxy unless the caller names one (``proxy``); the environment is never read.
@@ -23,6 +23,7 @@ import io
 import re
 import socket
 import ssl
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -137,10 +138,31 @@ def _authority(host: str, port: int, scheme: str) -> str:
     return shown if port == (443 if scheme == "https" else 80) else f"{shown}:{port}"
 
 
+def _resolve(host: str, port: int, deadline: Deadline) -> list:
+    """``getaddrinfo`` within the deadline: it takes no timeout, so it runs on a thread of its
+    own that is left behind (a daemon) when the name server does not answer in time."""
+    answer: list = []
+
+    def lookup() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            answer.append(exc)
+
+    thread = threading.Thread(target=lookup, name="top-resolve", daemon=True)
+    thread.start()
+    thread.join(deadline.left())
+    if not answer:
+        raise FetchError(deadline.message())
+    if isinstance(answer[0], OSError):
+        raise answer[0]
+    return answer[0]
+
+
 def _connect(host: str, port: int, deadline: Deadline) -> socket.socket:
     """A TCP connection to the first address of ``host`` that answers before the deadline."""
     error: Optional[OSError] = None
-    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+    for family, kind, proto, _, address in _resolve(host, port, deadline):
         left = deadline.left()
         sock = socket.socket(family, kind, proto)
         try:

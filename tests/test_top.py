@@ -15,7 +15,7 @@ import pytest
 import gradmon
 from conftest import sgd_steps, tiny
 from gradmon import alerting, top
-from hostile_servers import RawServer, drip, exposition as hostile_exposition, respond
+from hostile_servers import RawServer, drip, exposition as hostile_exposition, redirect, respond
 from servers import free_port, running_demo
 
 
@@ -195,6 +195,19 @@ def test_q_quits_at_once_while_the_endpoint_drips():
             time.sleep(1.0)  # the read is now well inside its 60 s deadline
             assert server.requests and server.sent > 0
             quits_within(term, 3.0)
+        finally:
+            term.close()
+
+
+def test_a_redirect_ends_the_screen_with_the_location_and_status_1(tmp_path):
+    with RawServer(redirect("http://localhost:1/metrics")) as server:
+        err = tmp_path / "stderr"
+        term = Terminal(f"gradmon-top-redirect-{server.port}",
+                        f"sh -c '{sys.executable} -m gradmon top {server.url} 2>{err}; echo exit=$?; sleep 60'")
+        try:
+            term.until(lambda s: "exit=" in s, timeout=30)
+            assert "exit=1" in term.screen()
+            assert "a redirect to http://localhost:1/metrics" in err.read_text()
         finally:
             term.close()
 

@@ -210,3 +210,18 @@ def test_an_explicit_proxy_tunnels_https_without_seeing_the_request(pki):
         assert proxy.requests[0].startswith(f"CONNECT 127.0.0.1:{server.port} HTTP/1.1".encode())
         assert header(proxy.requests[0], "Authorization") is None  # the credentials went inside TLS
         assert header(server.requests[0], "Authorization")
+
+
+def test_a_name_that_does_not_resolve_is_an_error_within_the_deadline():
+    status, out, _, seconds = run_top("http://gradmon-top-test.invalid:9400/", "--timeout", "2")
+    assert status == 1 and "cannot read the endpoint: " in out
+    assert seconds < 4
+
+
+def test_help_states_the_rules_for_redirects_and_proxies(capsys):
+    with pytest.raises(SystemExit):
+        top.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a redirect is never followed" in text
+    assert "proxies from the environment (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY) are ignored" in text
+    assert "only a proxy named with --proxy ever sees the request and its credentials" in text
