@@ -337,3 +337,23 @@ def test_a_nonfinite_norm_is_kept_apart_from_a_layer_without_a_value(layers):
     for column in hist.document()["heatmap"]["log10"]:
         assert column[0] == H.NONFINITE and column[-1] is None
         assert layers > H.MAX_ROWS or column[1] == 2.0
+
+
+@pytest.mark.slow
+def test_a_page_left_open_while_the_heatmap_columns_are_spaced_anew_keeps_each_step_once(attach):
+    m = tiny()
+    mon = attach(m)
+    sgd_steps(m, H.MAX_COLUMNS - 50)
+    mon.flush()
+    browser = Browser()
+    try:
+        browser.open(f"http://127.0.0.1:{mon.port}/")
+        browser.until(f"document.body.dataset.step === '{H.MAX_COLUMNS - 50}'")
+        sgd_steps(m, 100)  # past MAX_COLUMNS: every second step is a column from now on
+        mon.flush()
+        browser.until(f"document.body.dataset.step === '{H.MAX_COLUMNS + 50}'", timeout=3 * REFRESH_S + 2)
+        browser.until(f"document.getElementById('heatmap').dataset.columns === '{(H.MAX_COLUMNS + 50) // 2}'",
+                      timeout=3 * REFRESH_S + 2)
+        assert browser.evaluate("document.body.dataset.kept") == str(H.MAX_COLUMNS + 50)
+    finally:
+        browser.close()

@@ -32,6 +32,7 @@
     const query = new URLSearchParams();
     if (state.model !== null) query.set("model", state.model);
     if (state.since !== null) query.set("since", String(state.since));
+    const full = state.since === null;  // the whole window: it replaces what the page holds
     let wait = REFRESH_MS;
     try {
       const response = await fetch("api/history?" + query.toString(), { cache: "no-store", credentials: "same-origin" });
@@ -41,7 +42,8 @@
         if (++limited >= 3) text($("status"), "the endpoint limits requests (several pages open?); waiting");
       } else {
         if (!response.ok) throw new Error("HTTP " + response.status);
-        apply(await response.json());
+        apply(await response.json(), full);
+        if (!full && state.since === null) wait = 0;  // it asked for the whole window: at once
         limited = 0;
         $("status").classList.remove("bad");
       }
@@ -52,7 +54,7 @@
     window.setTimeout(refresh, wait);
   }
 
-  function apply(doc) {
+  function apply(doc, full) {
     if (state.model !== null && doc.model !== state.model) state = fresh(doc.model);
     if (state.model === null) state.model = doc.model;
     picker(doc.models || []);
@@ -62,14 +64,28 @@
     state.prev = { steps_total: doc.steps_total, time: doc.time };
     state.doc = doc;
     const h = doc.history;
-    if (h) merge(h);
+    if (h) merge(h, full);
     facts(doc);
     tables(doc);
     draw(h !== null && h !== undefined);
     document.body.dataset.step = String(doc.step);
+    document.body.dataset.kept = String(state.steps.length);
   }
 
-  function merge(h) {
+  const SERIES = ["steps", "norm", "loss", "bad", "skipped"];
+
+  function merge(h, full) {
+    const hm = h.heatmap;
+    if (!full && (hm.every !== state.heat.every || hm.rows.length !== state.heat.rows.length)) {
+      // the columns are spaced anew as the window fills: ask for the whole window again
+      state.since = null;
+      return;
+    }
+    if (full) {
+      for (const key of SERIES) state[key] = [];
+      state.heat = { every: hm.every, rows: hm.rows, steps: [], cols: [] };
+      rows(hm.rows);
+    }
     state.capacity = h.capacity;
     for (let i = 0; i < h.steps.length; i++) {
       state.steps.push(h.steps[i]);
@@ -79,15 +95,7 @@
       state.skipped.push(h.skipped[i] === 1);
     }
     const drop = state.steps.length - state.capacity;
-    if (drop > 0) for (const key of ["steps", "norm", "loss", "bad", "skipped"]) state[key].splice(0, drop);
-    const hm = h.heatmap;
-    if (hm.every !== state.heat.every || hm.rows.length !== state.heat.rows.length) {
-      // the columns are spaced anew as the window fills: start over from this full answer,
-      // or ask for one
-      if (state.since !== null && hm.every !== state.heat.every) { state.since = null; state.heat.every = hm.every; return; }
-      state.heat = { every: hm.every, rows: hm.rows, steps: [], cols: [] };
-      rows(hm.rows);
-    }
+    if (drop > 0) for (const key of SERIES) state[key].splice(0, drop);
     for (let i = 0; i < hm.steps.length; i++) {
       state.heat.steps.push(hm.steps[i]);
       state.heat.cols.push(hm.log10[i]);
