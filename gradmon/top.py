@@ -172,9 +172,17 @@ class Target:
         return sum(v for _, v in self.samples.get(name, ()) if not math.isnan(v))
 
 
+MAX_LINE = 64 * 1024
+"""Longest exposition line read. prometheus_client's parser takes time quadratic in a line's
+length (a sample with a million labels parses for minutes); gradmon's lines are far shorter."""
+_LONG_LINE = re.compile(f"^[^\n]{{{MAX_LINE + 1}}}", re.MULTILINE)  # tried at line starts only: linear
+
+
 def parse(text: str) -> Dict[Tuple[str, str], Target]:
     """Every gradmon sample of an exposition, grouped by (model, rank); names, label names
     and label values cleaned, so nothing the endpoint wrote reaches the screen raw."""
+    if _LONG_LINE.search(text):
+        raise ValueError(f"a line longer than {MAX_LINE:,} characters: not a gradmon exposition")
     targets: Dict[Tuple[str, str], Target] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -225,3 +225,11 @@ def test_help_states_the_rules_for_redirects_and_proxies(capsys):
     assert "a redirect is never followed" in text
     assert "proxies from the environment (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY) are ignored" in text
     assert "only a proxy named with --proxy ever sees the request and its credentials" in text
+
+
+def test_a_line_too_long_to_parse_in_time_is_refused():
+    labels = ",".join(f'l{i}="v"' for i in range(200000))
+    with RawServer(respond(body=f'gradmon_x{{{labels},model="m"}} 1\n'.encode())) as server:
+        status, out, _, seconds = run_top(server.url)
+    assert status == 1 and "a line longer than 65,536 characters: not a gradmon exposition" in out
+    assert seconds < 5
