@@ -255,6 +255,8 @@ class View:
             # one reading at or before the window's start stays: it says the window was watched whole
             while len(readings) > 1 and readings[1].at <= scrape.at - HISTORY_SECONDS:
                 readings.popleft()
+        for key in set(self.history) - set(self.targets):  # an endpoint that renames its models grows nothing
+            del self.history[key]
 
     def steps_per_second(self, key: Tuple[str, str], window: float = 10.0) -> Optional[float]:
         readings = [r for r in self.history[key] if r.steps is not None]
@@ -456,9 +458,11 @@ def sparkline(values: Sequence[float], chars: str = SPARK) -> str:
     return "".join(out)
 
 
-def render(view: View, width: int = 100, chars: str = SPARK, interactive: bool = False) -> List[str]:
+def render(view: View, width: int = 100, chars: str = SPARK, interactive: bool = False,
+           height: Optional[int] = None) -> List[str]:
     """The frame as lines of at most ``width`` characters, each through :func:`clean` (what
-    came from the endpoint is clean already; this is the one gate to every output mode)."""
+    came from the endpoint is clean already; this is the one gate to every output mode);
+    targets past ``height`` lines are not rendered at all (an endpoint may hold thousands)."""
     when = time.strftime("%H:%M:%S", time.localtime(view.updated)) if view.updated else "never"
     lines = [f"gradmon top  {view.endpoint.shown}  read {when}" + ("  (q quits)" if interactive else "")]
     if view.error:
@@ -467,8 +471,10 @@ def render(view: View, width: int = 100, chars: str = SPARK, interactive: bool =
         lines.append("" if view.error else "no gradmon model on this endpoint yet" if view.updated
                      else "reading the endpoint...")
     for key in sorted(view.targets):
+        if height is not None and len(lines) >= height:
+            break
         lines += [""] + _render_target(view, key, chars)
-    return [clean(line)[:width] for line in lines]
+    return [clean(line)[:width] for line in lines[:height]]
 
 
 def _render_target(view: View, key: Tuple[str, str], chars: str) -> List[str]:
@@ -552,7 +558,8 @@ def _screen(view: View, interval: float) -> int:
     def draw(screen, chars: str) -> None:
         height, width = screen.getmaxyx()
         screen.erase()
-        for row, line in enumerate(render(view, width=max(1, width - 1), chars=chars, interactive=True)[:height]):
+        for row, line in enumerate(render(view, width=max(1, width - 1), chars=chars, interactive=True,
+                                          height=height)):
             try:
                 screen.addstr(row, 0, line)
             except curses.error:  # the last cell of a small window

@@ -314,3 +314,19 @@ def test_ok_is_never_printed_beside_a_firing_check():
     shown = frame(exposition("gradmon_steps_total 500", f"gradmon_grad_global_norm {th.explode_abs * 2}"))
     assert "!! GradmonGradientExplosion" in shown
     assert "the other 11 local checks: nothing over their thresholds" in shown and "ok:" not in shown
+
+
+def test_history_is_kept_only_for_the_models_the_endpoint_still_shows():
+    texts = [exposition("gradmon_steps_total 1").replace('model="m"', f'model="m{i}"') for i in range(50)]
+    view = top.View(Fixed(texts))
+    for _ in texts:
+        view.refresh()
+    assert list(view.history) == [("m49", "3")]
+
+
+def test_a_screen_renders_only_the_models_that_fit():
+    many = "".join(exposition("gradmon_steps_total 1").replace('model="m"', f'model="m{i:05d}"') for i in range(2000))
+    view = top.View(Fixed([many]))
+    view.refresh()
+    lines = top.render(view, width=100, height=30)
+    assert len(lines) == 30 and "model m00000  rank 3" in lines[2]
