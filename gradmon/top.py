@@ -499,7 +499,9 @@ def _render_target(view: View, key: Tuple[str, str], chars: str) -> List[str]:
               for have, v in t.samples.get(M.NONFINITE_ORIGIN.name, ())]
     lines.append("non-finite elements: " + ("  ".join(f"{k} {_int(v)}" for k, v in sorted(counts.items())) or "-")
                  + (f"  (started in {'; '.join(origin)})" if origin else ""))
-    seen = bool(origin) or any(v != 0 for v in counts.values()) or _nonfinite_total(t) != 0
+    shown = [norm, t.value(M.LOSS.name), *t.by_layer(M.GRAD_NORM.name).values()]
+    seen = (bool(origin) or any(v != 0 for v in counts.values()) or _nonfinite_total(t) != 0
+            or any(v is not None and not math.isfinite(v) for v in shown))
     return lines + _check_lines(t, readings, view.thresholds, seen)
 
 
@@ -529,8 +531,8 @@ def _check_lines(t: Target, readings: Sequence[Reading], th: Thresholds, nonfini
     if fired or unsure:
         lines.append(f"  the other {quiet} local checks: nothing over their thresholds")
     elif nonfinite_seen:
-        lines.append(f"  none of the {len(CHECKS)} local checks fires now; the non-finite values above are older "
-                     f"than {dur(NONFINITE_WINDOW)}")
+        lines.append(f"  none of the {len(CHECKS)} local checks fires now, but non-finite values are shown above "
+                     f"(counts older than the rule's {dur(NONFINITE_WINDOW)}, or a NaN reading)")
     else:
         lines.append(f"  ok: all {len(CHECKS)} local checks pass")
     return lines

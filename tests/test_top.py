@@ -305,8 +305,15 @@ def test_a_late_start_with_nans_counted_says_not_enough_history_and_never_ok():
 def test_nans_older_than_the_rules_window_are_not_called_ok():
     text = exposition("gradmon_steps_total 900", 'gradmon_rank_nonfinite_total{tensor="grad",kind="nan"} 32')
     shown = frame(text, text, clock=[0.0, top.NONFINITE_WINDOW + 1])
-    assert "none of the 12 local checks fires now; the non-finite values above are older than 5m" in shown
+    assert "none of the 12 local checks fires now, but non-finite values are shown above" in shown
     assert "?? " not in shown and "ok:" not in shown
+
+
+def test_a_nan_reading_without_counts_is_not_called_ok():
+    shown = frame(exposition("gradmon_steps_total 900", "gradmon_grad_global_norm NaN"))
+    assert "global norm nan" in shown
+    assert "none of the 12 local checks fires now, but non-finite values are shown above" in shown
+    assert "ok:" not in shown
 
 
 def test_ok_is_never_printed_beside_a_firing_check():
