@@ -1,0 +1,187 @@
+"""Record the corpus: train each run of ``corpus.runs()`` with gradmon attached and keep every
+step packet gradmon's publisher folded, exactly as it folded it.
+
+    nice -n 19 python bench/instability/record_corpus.py                 # every run not yet recorded
+    nice -n 19 python bench/instability/record_corpus.py --only lm-healthy-warmup-s0
+    python bench/instability/record_corpus.py --manifest                 # rewrite manifest.json only
+
+Each run gets a fresh process, one at a time, one thread (gradmon's counters continue across
+attaches of one model name in one process; a real job is one process). gradmon is attached as a
+user would: ``gradmon.attach(model, registry=CollectorRegistry(), final_scrape_timeout=0,
+name=<family>, scaler=<the GradScaler of an fp16 run>)`` with every other option at its default,
+and ``monitor.observe(loss=...)`` every step. The recorder wraps the publisher's queue (to note the
+loop step of each packet) and the aggregator's fold (to copy each packet's host values after its
+transfer completed): gradmon itself runs unchanged. See ``corpus_files`` for the file layout.
+
+Recordings are kept, not regenerated: CPU runs are not bitwise reproducible across torch
+versions, so a re-recorded corpus is a different corpus (and needs new labels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry
+
+import gradmon
+from gradmon.snapshot import StepPacket
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import corpus  # noqa: E402
+import corpus_files as files  # noqa: E402
+
+
+def layout_of(packet: StepPacket) -> dict:
+    """Everything of a packet but its values: what the fold needs to read them."""
+    return {"sections": [[s.statistic.name, list(s.keys), list(s.numels)] for s in packet.sections],
+            "scalars": list(packet.scalars), "skipped": packet.skipped, "sampled": packet.sampled,
+            "detail": packet.detail, "measured_at_step": packet.measured_at_step,
+            "tensor_lr": [lr is None for lr in packet.learning_rates]}
+
+
+class Tap:
+    """What gradmon's publisher saw: each packet's loop step, layout and host values."""
+
+    def __init__(self) -> None:
+        self.step = 0  # the loop step in progress (observe() is called once a step)
+        self.put_steps: List[int] = []
+        self.packets: List[Tuple[StepPacket, np.ndarray]] = []
+
+    def wrap(self, monitor: gradmon.Monitor) -> None:
+        publisher = monitor._publisher
+        aggregator = publisher._agg
+        put, fold = publisher.put, aggregator.fold
+
+        def tapped_put(item: object) -> None:
+            if not isinstance(item, StepPacket):
+                raise RuntimeError(f"the corpus loops never renumber steps; got {item!r}")
+            self.put_steps.append(self.step)
+            put(item)
+
+        def tapped_fold(packet: StepPacket) -> None:
+            data = packet.data
+            values = np.empty(0) if data is None else data.numpy().astype(np.float64, copy=True)
+            self.packets.append((packet, values))
+            fold(packet)
+
+        publisher.put = tapped_put
+        aggregator.fold = tapped_fold
+
+    def arrays(self, losses: List[float]) -> Dict[str, np.ndarray]:
+        if len(self.put_steps) != len(self.packets):
+            raise RuntimeError(f"{len(self.put_steps)} packets published, {len(self.packets)} folded")
+        layouts: List[str] = []
+        index: Dict[str, int] = {}
+        layout_ids, lrs = [], []
+        groups = max((len(p.learning_rates) for p, _ in self.packets), default=0)
+        for p, _ in self.packets:
+            key = json.dumps(layout_of(p), sort_keys=True)
+            layout_ids.append(index.setdefault(key, len(index)))
+            if len(index) > len(layouts):
+                layouts.append(key)
+            lr = [np.nan if x is None else x for x in p.learning_rates]
+            lrs.append(lr + [np.nan] * (groups - len(lr)))
+        sizes = [len(v) for _, v in self.packets]
+        return {
+            "loss": np.asarray(losses, np.float32),
+            "packet_step": np.asarray(self.put_steps, np.int32),
+            "packet_index": np.asarray([p.index for p, _ in self.packets], np.int32),
+            "packet_global_step": np.asarray([p.global_step for p, _ in self.packets], np.int32),
+            "packet_layout": np.asarray(layout_ids, np.int16),
+            "packet_lr": np.asarray(lrs, np.float64).reshape(len(self.packets), groups),
+            "packet_offset": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+            "packet_values": files.encode(np.concatenate([v for _, v in self.packets] or [np.empty(0)])),
+            "layouts": np.asarray("[" + ",".join(layouts) + "]"),
+        }
+
+
+def record(run: corpus.Run) -> Dict[str, np.ndarray]:
+    tap = Tap()
+    monitors: List[gradmon.Monitor] = []
+    options = {"final_scrape_timeout": 0, "name": run.family}
+
+    def attach(model: torch.nn.Module, scaler):
+        monitor = gradmon.attach(model, registry=CollectorRegistry(), scaler=scaler, **options)
+        monitors.append(monitor)
+        tap.wrap(monitor)
+
+        def observe(loss: torch.Tensor) -> None:
+            tap.step += 1
+            monitor.observe(loss=loss)
+        return observe
+
+    losses = corpus.train(run, attach)
+    monitor = monitors[0]
+    monitor.flush()
+    layers = list(monitor.layers)
+    monitor.detach()
+    arrays = tap.arrays(losses)
+    arrays["meta"] = np.asarray(json.dumps({
+        "run": run.name, "options": {**options, "scaler": run.fp16}, "layers": layers,
+        "torch_version": torch.__version__, "gradmon_version": gradmon.__version__,
+        "recorded": time.strftime("%Y-%m-%d", time.gmtime())}))
+    return arrays
+
+
+def write_manifest() -> dict:
+    """The manifest from the run declarations and whatever recordings exist: cause, mechanism,
+    chance level, split, settings, and each file's size and sha256."""
+    entries = {}
+    for run in corpus.runs():
+        p = files.path(run.name)
+        entry = {"family": run.family, "cause": run.cause, "mechanism": corpus.MECHANISMS[run.cause],
+                 "seed": run.seed, "split": corpus.split_of(run), "chance": corpus.FAMILIES[run.family].chance,
+                 "steps": run.steps, "settings": {k: v for k, v in vars(run).items()
+                                                  if k not in ("family", "cause", "seed", "steps", "tag")}}
+        if p.exists():
+            rec = files.load(run.name)
+            m = files.meta(rec)
+            entry.update({"file": p.name, "bytes": p.stat().st_size, "sha256": files.sha256(p),
+                          "torch_version": m["torch_version"], "gradmon_version": m["gradmon_version"],
+                          "recorded": m["recorded"], "layers": m["layers"]})
+        entries[run.name] = entry
+    doc = {"description": "Alert-evaluation corpus (issue 22). Split rule: test = every run of family "
+                          f"'{corpus.TEST_FAMILY}' and every run with seed >= {corpus.LATE_SEED}; the rest is tune.",
+           "test_family": corpus.TEST_FAMILY, "late_seed": corpus.LATE_SEED,
+           "mechanisms": corpus.MECHANISMS, "runs": entries}
+    files.MANIFEST.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return doc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="*", help="run names (default: every run without a recording)")
+    p.add_argument("--manifest", action="store_true", help="only rewrite manifest.json")
+    a = p.parse_args()
+    if a.manifest:
+        write_manifest()
+        return
+    torch.set_num_threads(1)
+    files.DIR.mkdir(parents=True, exist_ok=True)
+    chosen = [r for r in corpus.runs() if (r.name in a.only if a.only else not files.path(r.name).exists())]
+    if len(chosen) > 1 or not a.only:
+        for run in chosen:  # a fresh process per run, as a real job is
+            subprocess.run([sys.executable, __file__, "--only", run.name], check=True)
+        write_manifest()
+        return
+    for run in chosen:
+        t0 = time.process_time()
+        arrays = record(run)
+        out = files.path(run.name)
+        tmp = out.with_suffix(".tmp.npz")
+        np.savez_compressed(tmp, **arrays)
+        tmp.replace(out)
+        print(f"{run.name}: {len(arrays['packet_step'])} packets, {arrays['packet_values'].shape[1]} values, "
+              f"{time.process_time() - t0:.0f} CPU-s, {out.stat().st_size // 1024} KiB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
