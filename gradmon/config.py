@@ -231,6 +231,20 @@ class Config:
     log_every_incident: bool = False
     """Log every non-finite step, not only the first of each run of non-finite steps."""
 
+    announce: Optional[bool] = None
+    """Print where the endpoint and the live page are, one line on stderr at ``attach()``
+    (and where the page stays with ``keep_serving`` at the end). A print, not a log
+    record: the Hugging Face Trainer's default level (WARNING) would hide an INFO one.
+    None prints on the job's main process only (global rank 0; the Trainer callbacks use
+    the Trainer's own main process), the other ranks log it at DEBUG; True prints on this
+    process, False on none."""
+
+    keep_serving: bool = False
+    """Keep the endpoint (``/metrics`` and the live page) up after the run ends, serving the
+    run's final state (``finished``, or ``failed``) until the process exits, so that a
+    notebook or a script that waits can still be looked at. Off by default: the port is
+    freed when the run ends. Attaching again under the same model name takes the endpoint over."""
+
     spike_threshold: float = 6.0
     """Robust score above which a step of the loss or of a global gradient norm is a
     spike (``gradmon_spike_steps_total``), if its value is also above twice the window's

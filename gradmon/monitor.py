@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -37,6 +38,7 @@ _LOCK = threading.RLock()
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Monitor]" = weakref.WeakKeyDictionary()
 _NAMES_IN_USE: Dict[str, "Monitor"] = {}
 _LIVE: "weakref.WeakSet[Monitor]" = weakref.WeakSet()
+_HELD: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], "Monitor"] = {}  # keep_serving: ended, still served
 # Counters of detached monitors, by (model name, labels): a monitor attached again under
 # the same name continues them, so they never go backwards within a process.
 _CARRIED: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], Tuple[Dict[str, object], Dict[str, int], float]] = {}
@@ -81,6 +83,7 @@ class Monitor:
         self._pid = os.getpid()
         self._overhead_before = 0.0  # carried from an earlier monitor of this name (exported only)
         self._overhead_at_detach = 0.0
+        self._holding = False  # keep_serving: the run ended, its endpoint still serves it
 
     # -- public surface --------------------------------------------------------------
 
@@ -187,7 +190,7 @@ class Monitor:
 
     def _teardown_left(self) -> bool:
         return bool(len(self._hooks)) or self._recorder is not None or self._publisher is not None \
-            or self._endpoint is not None or _NAMES_IN_USE.get(self.name) is self
+            or (self._endpoint is not None and not self._holding) or _NAMES_IN_USE.get(self.name) is self
 
     def _teardown(self, final_scrape: bool) -> None:
         interrupted: Optional[BaseException] = None
@@ -222,15 +225,41 @@ class Monitor:
     def _drop_endpoint(self, forked: bool, final_scrape: bool) -> None:
         """Leave the endpoint; at the end of a run, the final state stays served until the
         scrapers have seen it (one wait per endpoint, by its last user)."""
-        if self._endpoint is not None:
-            if not forked:  # if this fails, the next detach() retries it
-                final = self._export_view() if final_scrape else None
-                try:
-                    exporter.release(self._endpoint, id(self), final, self.config.final_scrape_timeout)
-                except KeyboardInterrupt:
-                    self._endpoint = None  # it ended the wait; the endpoint is released all the same
-                    raise
+        if self._endpoint is None or self._holding:
+            return
+        if forked:
             self._endpoint = None
+            return
+        final = self._export_view() if final_scrape else None
+        if final is not None and self.config.keep_serving and self._endpoint.server is not None:
+            self._hold(final)
+        else:
+            self._release(final)
+
+    def _release(self, final: Optional[exporter.ExportView]) -> None:
+        try:  # if this fails, the next detach() retries it
+            exporter.release(self._endpoint, id(self), final, self.config.final_scrape_timeout)
+        except KeyboardInterrupt:
+            self._endpoint = None  # it ended the wait; the endpoint is released all the same
+            raise
+        self._endpoint = None
+
+    def _hold(self, final: exporter.ExportView) -> None:
+        """keep_serving: the endpoint serves the run's final view until the process exits
+        (``_end_all``) or a monitor of the same name and labels takes it over."""
+        self._endpoint.collector.retire(id(self), final)
+        self._endpoint.changed()
+        self._holding = True
+        _HELD[self._carry_key()] = self
+        _announce(self, f"gradmon: the run of {self.name} ended ({self._run_state}); still serving it until "
+                        f"the process exits (keep_serving): {_where(self)}")
+
+    def _stop_holding(self, final_scrape: bool) -> None:
+        if _HELD.get(self._carry_key()) is self:
+            del _HELD[self._carry_key()]
+        if self._holding:
+            self._holding = False
+            self._release(self._export_view() if final_scrape else None)
 
     def _forget(self) -> None:
         with _LOCK:
@@ -311,6 +340,9 @@ class Monitor:
             self._errors.resume(errors)
             self._overhead_before = overhead
         self._join_endpoint(port)  # ValueError (TLS files, settings) before any hook exists
+        held = _HELD.get(self._carry_key())
+        if held is not None:  # the same model again (a notebook cell run twice): it serves its own state now
+            held._stop_holding(final_scrape=False)
         self._recorder = recorder
         self._publisher = Publisher(aggregator, self._errors, self.name)
         for text in sharded.limits(units):
@@ -412,9 +444,33 @@ def _mark_all(state: str, failure: Optional[str]) -> None:
 
 
 def _end_all(state: str, failure: Optional[str]) -> None:
-    """Interpreter exit: end every monitor still attached; each endpoint waits once."""
+    """Interpreter exit: end every monitor still attached, then stop serving the ended runs
+    that keep_serving held; each endpoint waits once."""
     for mon in _live_monitors():
         mon._end(state, failure)
+    for mon in list(_HELD.values()):
+        mon._stop_holding(final_scrape=True)
+
+
+def _where(mon: Monitor) -> str:
+    """Where a user looks: the metrics URL and, with ``ui``, the live page."""
+    if mon.url is None:
+        return f"no endpoint: {mon.error}" if mon.error else "metrics in the given registry"
+    page = f", live page at {mon.url[:-len('metrics')]}" if mon.config.ui else ""
+    return f"metrics at {mon.url}{page}"
+
+
+def _announce(mon: Monitor, text: str) -> None:
+    """One stderr line on the job's main process (``announce``), DEBUG elsewhere: a print,
+    since a framework's default log level (the Trainer's WARNING) hides an INFO record."""
+    main = mon.config.announce if mon.config.announce is not None else mon.rank.rank == 0
+    if not main:
+        log.debug("%s", text)
+        return
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a closed or broken stderr must not fail attach()
+        pass
 
 
 def attach(model: nn.Module, **options: Any) -> Monitor:
@@ -460,6 +516,6 @@ def attach(model: nn.Module, **options: Any) -> Monitor:
         _LIVE.add(mon)
         run_end.install(_mark_all, _end_all, cfg.handle_sigterm,
                         lambda: min(run_end.SIGTERM_GRACE_S, cfg.final_scrape_timeout))
-    log.info("gradmon: monitoring %d layers of %s (rank %d)%s", len(mon.layers), name,
-             mon.rank.rank, f", metrics at {mon.url}" if mon.url else "")
+    rank = f" on rank {mon.rank.rank}" if mon.rank.world_size > 1 else ""
+    _announce(mon, f"gradmon: monitoring {len(mon.layers)} layers of {name}{rank}, {_where(mon)}")
     return mon

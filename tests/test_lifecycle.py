@@ -469,3 +469,72 @@ def test_snapshot_is_built_when_read_not_at_every_step(attach):
     assert snap.generation == first.generation + 1  # one build for seven steps
     assert mon.snapshot() is snap  # nothing new folded: the same snapshot
     assert value(scrape(mon.url), "gradmon_steps_total") == snap.steps_total
+
+
+# -- saying where to look, and keeping it up -------------------------------------------------------
+
+def announcements(text: str) -> list:
+    return [line for line in text.splitlines() if line.startswith("gradmon: monitoring")]
+
+
+def test_attach_says_where_the_metrics_and_the_live_page_are_on_one_stderr_line(attach, capfd):
+    capfd.readouterr()
+    mon = attach(mlp(), name="announced")
+    err = capfd.readouterr().err
+    assert announcements(err) == [f"gradmon: monitoring 2 layers of announced, metrics at {mon.url}, "
+                                  f"live page at {mon.url[:-len('metrics')]}"]
+    assert urllib.request.urlopen(mon.url[:-len("metrics")], timeout=5).status == 200  # the page it names
+
+
+def test_attaching_the_same_model_again_does_not_announce_it_again(attach, capfd):
+    model = mlp()
+    attach(model)
+    capfd.readouterr()
+    attach(model)
+    assert announcements(capfd.readouterr().err) == []
+
+
+def test_a_rank_other_than_0_logs_the_announcement_at_debug_and_prints_nothing(attach, capfd, caplog, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="gradmon"):
+        mon = attach(mlp())
+    assert announcements(capfd.readouterr().err) == []
+    said = [r for r in caplog.records if r.getMessage().startswith("gradmon: monitoring")]
+    assert [(r.levelno, r.getMessage()) for r in said] == [
+        (logging.DEBUG, f"gradmon: monitoring 2 layers of sequential on rank 1, metrics at {mon.url}, "
+                        f"live page at {mon.url[:-len('metrics')]}")]
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_announce_off_prints_nothing(attach, capfd, monkeypatch, how):
+    if how == "environment":
+        monkeypatch.setenv("GRADMON_ANNOUNCE", "0")
+    capfd.readouterr()
+    attach(mlp(), **({"announce": False} if how == "option" else {}))
+    assert announcements(capfd.readouterr().err) == []
+
+
+def test_keep_serving_serves_the_finished_run_and_its_page_after_detach_until_taken_over(capfd):
+    """The end of the process releases a held endpoint (tests/test_run_end.py); a monitor
+    attached again under the same name takes it over, here on the same port."""
+    model = mlp()
+    mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, keep_serving=True)
+    port, url = mon.port, mon.url
+    train(model, 3)
+    mon.detach()
+    assert "still serving it until the process exits (keep_serving)" in capfd.readouterr().err
+    assert mon.state == "detached" and hook_state(model) == hook_state(mlp())
+    samples = scrape(url)
+    assert value(samples, "gradmon_run_state", state="finished") == 1
+    assert value(samples, "gradmon_steps_total") == 3
+    assert urllib.request.urlopen(url[:-len("metrics")], timeout=5).status == 200
+    mon.detach()  # idempotent: still served
+    assert value(scrape(url), "gradmon_run_state", state="finished") == 1
+
+    again = gradmon.attach(model, port=port, addr="127.0.0.1", final_scrape_timeout=0)
+    assert again.url == url and value(scrape(url), "gradmon_run_state", state="training") == 1
+    again.detach()
+    with pytest.raises(ConnectionRefusedError):  # the held endpoint went with the run that took it over
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
