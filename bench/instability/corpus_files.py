@@ -41,7 +41,8 @@ def encode(exact: np.ndarray) -> np.ndarray:
     """float64 values -> (4, n) uint8 byte planes of float32 rounded to MANTISSA_BITS. Counts
     below 2**17 stay exact; NaN and +-Inf stay what they are. A finite value that would round
     past float32's range is refused (it would read back as an overflow)."""
-    f = exact.astype(np.float32)
+    with np.errstate(over="ignore"):  # an overflow is refused below, by value
+        f = exact.astype(np.float32)
     drop = 23 - MANTISSA_BITS
     bits = f.view(np.uint32)
     finite = np.isfinite(f)

@@ -116,11 +116,11 @@ def digest(labels: Dict[str, dict]) -> str:
 
 
 def label_corpus() -> Dict[str, dict]:
-    """Every run in the manifest, labelled from its recorded loss."""
+    """Every recorded run of the manifest, labelled from its loss."""
     import corpus_files  # noqa: E402  (bench/instability/corpus_files.py)
     manifest = corpus_files.manifest()
     return {name: asdict(label(corpus_files.losses(name), entry["chance"]))
-            for name, entry in sorted(manifest["runs"].items())}
+            for name, entry in sorted(manifest["runs"].items()) if "file" in entry}
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -103,13 +103,16 @@ class Tap:
         }
 
 
-def record(run: corpus.Run) -> Dict[str, np.ndarray]:
+def record(run: corpus.Run, steps: Optional[int] = None, registry: Optional[CollectorRegistry] = None,
+           on_step: Optional[Callable[[gradmon.Monitor, int], None]] = None) -> Dict[str, np.ndarray]:
+    """Train ``run`` (its first ``steps`` steps) with gradmon attached to ``registry``; ``on_step``
+    sees the monitor after each step (a test compares what gradmon exported live)."""
     tap = Tap()
     monitors: List[gradmon.Monitor] = []
     options = {"final_scrape_timeout": 0, "name": run.family}
 
     def attach(model: torch.nn.Module, scaler):
-        monitor = gradmon.attach(model, registry=CollectorRegistry(), scaler=scaler, **options)
+        monitor = gradmon.attach(model, registry=registry or CollectorRegistry(), scaler=scaler, **options)
         monitors.append(monitor)
         tap.wrap(monitor)
 
@@ -118,7 +121,7 @@ def record(run: corpus.Run) -> Dict[str, np.ndarray]:
             monitor.observe(loss=loss)
         return observe
 
-    losses = corpus.train(run, attach)
+    losses = corpus.train(run, attach, steps, None if on_step is None else lambda n: on_step(monitors[0], n))
     monitor = monitors[0]
     monitor.flush()
     layers = list(monitor.layers)

@@ -1,0 +1,372 @@
+"""Score the shipped alert rules on the corpus (issue 22): per run and per split, at 1, 10 and 60 s
+per step with a 15 s scrape.
+
+    python bench/instability/score.py                      # both splits: the docs' table (markdown)
+    python bench/instability/score.py --split tune         # tune only (not logged)
+    python bench/instability/score.py --runs gru-healthy-warmup-s0 --rates 10
+
+Each recording (its sha256 checked against the manifest) is replayed through gradmon's in-process
+code (``inprocess.py``: the publisher's fold, spike detectors and baselines fed with the recorded
+packets), giving the exposition after every step; the shipped rules are evaluated over it with
+promtool at each step rate (``promreplay.py``), giving the alerts firing at every evaluation.
+Labels come from the committed ``labels.json`` (its hash checked), never from the rules.
+
+Definitions (issue 22; times are evaluation times, steps are what the evaluation's scrape saw):
+
+- a *warning* is any alert of severity ``warning`` firing, a *page* any of severity ``critical``;
+  a rising edge is an evaluation where one is firing and none was at the one before;
+- healthy runs: pages (rising edges), warning rising edges per 1,000 steps, fraction of the
+  run's evaluations (= of its time, = of its steps) with a warning firing;
+- diverging runs (replayed to 100 steps past the divergence step d): *paged in time* if the
+  first page fires no later than d x step + one scrape + one evaluation interval (30 s);
+  *early warning* if the last warning rising edge before step d completes saw a step 20-300
+  steps before d and a warning is still firing at the last evaluation before d completes
+  (alerts of several names may hand over: "stays on or re-fires until it");
+- recovering spikes: *warned* if a warning fires between the spike's first step and the step
+  its trailing mean returned (+30 s), *not paged* if no page fires in the whole run;
+- precision of warnings: over every run of the split, warning rising edges before the run's
+  divergence (or anywhere, in runs without one) that are followed by the divergence within 300
+  steps, over all such edges.
+
+Every proportion carries a Wilson 95 % interval. A scoring that includes the test split is
+appended to ``corpus/test-split-log.jsonl`` with the commit, so repeated peeking shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import corpus_files as files  # noqa: E402
+import inprocess  # noqa: E402
+import label as labeler  # noqa: E402
+import promreplay as pr  # noqa: E402
+import replay  # noqa: E402
+
+RATES = (1.0, 10.0, 60.0)  # seconds per step
+LEAD_MIN, LEAD_MAX = 20, 300  # an early warning's last rising edge, steps before the divergence
+PRECISION_STEPS = 300  # a warning edge is right if the divergence follows within this many steps
+AFTER_DIVERGENCE = 100  # steps a diverging run is replayed past its divergence step
+LATENCY = 2 * pr.SCRAPE_SECONDS  # one scrape + one evaluation interval
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> Tuple[float, float]:
+    """Wilson score 95 % interval of k successes in n trials; (0, 1) when n is 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class RunScore:
+    """One run at one step rate."""
+
+    name: str
+    kind: str
+    split: str
+    rate: float
+    steps: int  # steps replayed
+    divergence: Optional[int]
+    spikes: List[List[int]]
+    firing: List[FrozenSet[pr.Alert]] = field(repr=False)
+
+    def _step(self, k: int) -> int:
+        return pr.Mapping(self.rate).seen_at(k * pr.SCRAPE_SECONDS)
+
+    def on(self, severity: str) -> List[bool]:
+        return [any(s == severity for _, s in f) for f in self.firing]
+
+    def edges(self, severity: str) -> List[int]:
+        """Evaluations where an alert of ``severity`` started firing (none was the one before)."""
+        on = self.on(severity)
+        return [k for k, x in enumerate(on) if x and (k == 0 or not on[k - 1])]
+
+    def first(self, severity: str) -> Optional[int]:
+        """The step seen by the first evaluation with ``severity`` firing."""
+        on = self.on(severity)
+        return next((self._step(k) for k, x in enumerate(on) if x), None)
+
+    def names(self, severity: str) -> List[str]:
+        seen: Dict[str, None] = {}
+        for f in self.firing:
+            for name, s in f:
+                if s == severity:
+                    seen.setdefault(name, None)
+        return list(seen)
+
+    def firing_fraction(self, severity: str) -> float:
+        on = self.on(severity)
+        return sum(on) / len(on) if on else 0.0
+
+    def lead(self, severity: str) -> Optional[int]:
+        f = self.first(severity)
+        return None if f is None or self.divergence is None else self.divergence - f
+
+    @property
+    def paged_in_time(self) -> bool:
+        if self.divergence is None:
+            return False
+        deadline = self.divergence * self.rate + LATENCY
+        return any(x and k * pr.SCRAPE_SECONDS <= deadline for k, x in enumerate(self.on("critical")))
+
+    def _before_divergence(self) -> int:
+        """Evaluations strictly before the divergence step completes."""
+        end = self.divergence * self.rate
+        return sum(1 for k in range(len(self.firing)) if k * pr.SCRAPE_SECONDS < end)
+
+    @property
+    def early_warning_lead(self) -> Optional[int]:
+        """The lead of the early warning (steps), or None if there is none."""
+        if self.divergence is None:
+            return None
+        n = self._before_divergence()
+        on = self.on("warning")[:n]
+        if not on or not on[-1]:
+            return None
+        edge = max(k for k in range(n) if on[k] and (k == 0 or not on[k - 1]))
+        lead = self.divergence - self._step(edge)
+        return lead if LEAD_MIN <= lead <= LEAD_MAX else None
+
+    @property
+    def spike_warned(self) -> bool:
+        on = self.on("warning")
+        return any(on[k] for k in range(len(on)) for start, back in self.spikes
+                   if start * self.rate <= k * pr.SCRAPE_SECONDS <= back * self.rate + LATENCY)
+
+    def warning_edges_scored(self) -> Tuple[int, int]:
+        """(warning rising edges counted for precision, of them followed by the divergence in time)."""
+        edges = [self._step(k) for k in self.edges("warning")]
+        if self.divergence is None:
+            return len(edges), 0
+        before = [e for e in edges if e <= self.divergence]
+        return len(before), sum(1 for e in before if self.divergence - e <= PRECISION_STEPS)
+
+
+def load_labels() -> Dict[str, dict]:
+    doc = json.loads(files.LABELS.read_text())
+    if labeler.digest(doc["labels"]) != doc["sha256"]:
+        raise SystemExit("labels.json's labels do not match its sha256")
+    return doc["labels"]
+
+
+def check_recording(name: str, entry: dict) -> None:
+    if files.sha256(files.path(name)) != entry["sha256"]:
+        raise SystemExit(f"{name}: the recording's sha256 is not the manifest's")
+
+
+def replay_steps(lab: dict, total: int) -> int:
+    return min(total, lab["divergence"] + AFTER_DIVERGENCE) if lab["kind"] == labeler.DIVERGING else total
+
+
+def score_run(name: str, lab: dict, split: str, rates: Sequence[float], binary: str,
+              rules: Optional[dict] = None, promtool_rates: Optional[Sequence[float]] = None) -> List[RunScore]:
+    """The run replayed once in process, then through promtool at each rate."""
+    rules = rules if rules is not None else pr.shipped_rules()
+    total = len(files.losses(name))
+    steps = replay_steps(lab, total)
+    series = inprocess.expositions(name, replay.read_by(rules), steps)
+    return [RunScore(name, lab["kind"], split, rate, steps, lab["divergence"], lab["spikes"],
+                     pr.timeline(series, steps, pr.Mapping(rate), binary, rules)) for rate in rates]
+
+
+# -- summaries -----------------------------------------------------------------------------
+
+
+def _prop(k: int, n: int) -> str:
+    lo, hi = wilson(k, n)
+    return f"{k}/{n} ({100 * lo:.0f}-{100 * hi:.0f} %)"
+
+
+def summary(scores: Sequence[RunScore]) -> Dict[str, Tuple[int, int]]:
+    """The issue's metrics as (successes, trials) over the runs of one split at one rate."""
+    healthy = [s for s in scores if s.kind == labeler.HEALTHY]
+    diverging = [s for s in scores if s.kind == labeler.DIVERGING]
+    spikes = [s for s in scores if s.kind == labeler.SPIKE]
+    h_steps = sum(s.steps for s in healthy)
+    h_evals = sum(len(s.firing) for s in healthy)
+    precision = [s.warning_edges_scored() for s in scores]
+    return {
+        "healthy runs with a page": (sum(bool(s.edges("critical")) for s in healthy), len(healthy)),
+        "healthy warning rising edges (per step)": (sum(len(s.edges("warning")) for s in healthy), h_steps),
+        "healthy time with a warning firing (evaluations)":
+            (sum(sum(s.on("warning")) for s in healthy), h_evals),
+        "diverging runs paged in time": (sum(s.paged_in_time for s in diverging), len(diverging)),
+        "diverging runs with an early warning": (sum(s.early_warning_lead is not None for s in diverging),
+                                                 len(diverging)),
+        "recovering spikes warned and not paged": (sum(s.spike_warned and not s.edges("critical") for s in spikes),
+                                                   len(spikes)),
+        "warning edges followed by a divergence within 300 steps": (sum(t for _, t in precision),
+                                                                    sum(n for n, _ in precision)),
+    }
+
+
+def _median(xs: List[int]) -> Optional[float]:
+    xs = sorted(xs)
+    if not xs:
+        return None
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def summary_table(by_split: Dict[str, List[RunScore]], rates: Sequence[float]) -> str:
+    cols = [(split, rate) for split in by_split for rate in rates]
+    head = "| metric | " + " | ".join(f"{split}, {rate:g} s/step" for split, rate in cols) + " |"
+    rows = [head, "|---|" + "---:|" * len(cols)]
+    per = {c: summary([s for s in by_split[c[0]] if s.rate == c[1]]) for c in cols}
+    for metric in next(iter(per.values())):
+        cells = []
+        for c in cols:
+            k, n = per[c][metric]
+            if metric.startswith("healthy warning rising edges"):
+                lo, hi = wilson(k, n)
+                cells.append(f"{k} in {n} steps: {1000 * k / n if n else 0:.2f} / 1,000 "
+                             f"({1000 * lo:.2f}-{1000 * hi:.2f})")
+            else:
+                cells.append(_prop(k, n))
+        rows.append(f"| {metric} | " + " | ".join(cells) + " |")
+    for what, fn in (("median lead of the first page (steps)", lambda s: s.lead("critical")),
+                     ("median lead of the early warnings (steps)", lambda s: s.early_warning_lead)):
+        cells = []
+        for c in cols:
+            leads = [fn(s) for s in by_split[c[0]] if s.rate == c[1] and s.kind == labeler.DIVERGING]
+            m = _median([x for x in leads if x is not None])
+            cells.append("-" if m is None else f"{m:g}")
+        rows.append(f"| {what} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def run_table(scores: Sequence[RunScore]) -> str:
+    def cell(v: Optional[int]) -> str:
+        return "-" if v is None else str(v)
+
+    rows = ["| run | split | label | s/step | divergence | first warning | first page | page lead | "
+            "early-warning lead | warning edges | warning firing | pages | warnings fired | pages fired |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for s in scores:
+        rows.append(f"| {s.name} | {s.split} | {s.kind} | {s.rate:g} | {cell(s.divergence)} | "
+                    f"{cell(s.first('warning'))} | {cell(s.first('critical'))} | {cell(s.lead('critical'))} | "
+                    f"{cell(s.early_warning_lead)} | {len(s.edges('warning'))} | "
+                    f"{100 * s.firing_fraction('warning'):.0f} % | {len(s.edges('critical'))} | "
+                    f"{', '.join(n[len('Gradmon'):] for n in s.names('warning')) or '-'} | "
+                    f"{', '.join(n[len('Gradmon'):] for n in s.names('critical')) or '-'} |")
+    return "\n".join(rows)
+
+
+def failures(scores: Sequence[RunScore]) -> List[str]:
+    """Every miss and every false page, one line each."""
+    out = []
+    for s in scores:
+        at = f"{s.name} ({s.split}) at {s.rate:g} s/step"
+        if s.kind in (labeler.HEALTHY, labeler.SPIKE) and s.edges("critical"):
+            out.append(f"false page: {at}: {', '.join(s.names('critical'))} first at step {s.first('critical')}")
+        if s.kind == labeler.DIVERGING and not s.paged_in_time:
+            first = s.first("critical")
+            out.append(f"late or missing page: {at}: divergence at step {s.divergence}, first page "
+                       f"{'none' if first is None else f'at step {first}'}")
+        if s.kind == labeler.DIVERGING and s.early_warning_lead is None:
+            out.append(f"no early warning: {at}: divergence at step {s.divergence}, first warning "
+                       f"{s.first('warning') if s.first('warning') is not None else 'none'}")
+        if s.kind == labeler.SPIKE and not s.spike_warned:
+            out.append(f"unwarned spike: {at}: spikes {s.spikes}")
+    return out
+
+
+def commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "gradmon", "bench/instability"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+uncommitted" if dirty else "")
+
+
+def log_test_scoring(scores: Sequence[RunScore], rates: Sequence[float]) -> None:
+    test = [s for s in scores if s.split == "test"]
+    if not test:
+        return
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
+             "runs": sorted({s.name for s in test}),
+             "summary": {f"{rate:g}": summary([s for s in test if s.rate == rate]) for rate in rates}}
+    with files.TEST_LOG.open("a") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+
+def _score_one(job: Tuple[str, dict, str, Sequence[float], str]) -> Tuple[List[RunScore], float]:
+    name, lab, split, rates, binary = job
+    t0 = time.monotonic()
+    return score_run(name, lab, split, rates, binary), time.monotonic() - t0
+
+
+def score(names: Iterable[str], rates: Sequence[float], binary: str, jobs: int = 1,
+          progress: bool = False) -> List[RunScore]:
+    """Score the runs, ``jobs`` at a time (each replay is one process; promtool is another)."""
+    manifest = files.manifest()["runs"]
+    labels = load_labels()
+    work = []
+    for name in names:
+        if labels[name]["kind"] == labeler.UNLABELLED:
+            continue
+        check_recording(name, manifest[name])
+        work.append((name, labels[name], manifest[name]["split"], tuple(rates), binary))
+    out: List[RunScore] = []
+    with multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else _Serial() as pool:
+        for scores, seconds in pool.imap(_score_one, work):
+            out += scores
+            if progress:
+                print(f"  {scores[0].name}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+class _Serial:
+    """A pool of one: in this process, so that a failure's traceback is the replay's own."""
+
+    def __enter__(self) -> "_Serial":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def imap(self, fn, items):
+        return map(fn, items)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--split", choices=("tune", "test", "both"), default="both")
+    p.add_argument("--runs", nargs="*", help="only these runs")
+    p.add_argument("--rates", nargs="*", type=float, default=list(RATES), help="seconds per step")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs scored at once (default: CPUs)")
+    p.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
+    a = p.parse_args()
+    binary = replay.promtool()
+    if binary is None:
+        sys.exit("promtool not found (Debian package prometheus)")
+    manifest = files.manifest()["runs"]
+    splits = ("tune", "test") if a.split == "both" else (a.split,)
+    names = [n for n in sorted(manifest) if manifest[n]["split"] in splits and (not a.runs or n in a.runs)]
+    t0 = time.monotonic()
+    scores = score(names, a.rates, binary, a.jobs, progress=not a.quiet)
+    log_test_scoring(scores, a.rates)
+    by_split = {split: [s for s in scores if s.split == split] for split in splits}
+    print(f"Scored at commit {commit()}: {len(names)} runs, rates {', '.join(f'{r:g}' for r in a.rates)} s/step, "
+          f"{time.monotonic() - t0:.0f} s.\n")
+    print(summary_table(by_split, a.rates))
+    print("\n" + run_table(sorted(scores, key=lambda s: (s.split, s.name, s.rate))))
+    print("\nMisses and false pages:\n")
+    print("\n".join(f"- {line}" for line in failures(sorted(scores, key=lambda s: (s.split, s.name, s.rate))))
+          or "- none")
+
+
+if __name__ == "__main__":
+    main()
