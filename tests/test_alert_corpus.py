@@ -1,0 +1,259 @@
+"""Issue 22: the alert-evaluation corpus (bench/instability/corpus/), its labels, its split and the
+scorer's parts. The full score is ``python bench/instability/score.py`` (minutes); here: the
+committed files are what the code says, the labeler's rules one by one, the in-process replay
+against what gradmon exported live, and the promtool timeline against an independent reading."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from servers import binary
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "instability"))
+import corpus  # noqa: E402
+import corpus_files as files  # noqa: E402
+import inprocess  # noqa: E402
+import label as labeler  # noqa: E402
+import promreplay as pr  # noqa: E402
+import record_corpus  # noqa: E402
+import replay  # noqa: E402
+import score  # noqa: E402
+
+MANIFEST = files.manifest()
+RUNS = MANIFEST["runs"]
+# the CI subset: two runs a family through the in-process replay (the held-out family included:
+# no alert is evaluated on it here), and promtool on two tune runs
+FAST = ["lm-healthy-warmup-s0", "lm-lr-high-nowarmup-s0", "cnn-poisoned-batch-s0", "cnn-late-collapse-s0",
+        "gru-healthy-nowarmup-s0", "gru-lr-high-nowarmup-s0"]
+PROMTOOL = ["lm-lr-high-nowarmup-s0", "cnn-late-collapse-s0"]
+
+
+# -- the committed corpus ------------------------------------------------------------------
+
+
+def test_every_declared_run_is_recorded_with_the_manifests_checksum():
+    assert set(RUNS) == {r.name for r in corpus.runs()}
+    for name, entry in RUNS.items():
+        assert entry["sha256"] == files.sha256(files.path(name)), name
+
+
+def test_the_corpus_has_40_runs_of_2000_steps_from_3_families_within_its_size_limits():
+    assert len(RUNS) >= 40
+    assert len({e["family"] for e in RUNS.values()}) >= 3
+    sizes = [files.path(n).stat().st_size for n in RUNS]
+    assert max(sizes) <= 500_000 and sum(sizes) <= 25_000_000
+    for name in RUNS:
+        with np.load(files.path(name), allow_pickle=False) as z:  # no object arrays anywhere
+            assert len(z["loss"]) >= 2000 and len(z["loss"]) == RUNS[name]["steps"]
+            assert files.meta({"meta": z["meta"]})["torch_version"] == RUNS[name]["torch_version"]
+
+
+def test_every_step_of_a_recording_carries_gradmons_packet():
+    for name in FAST:
+        rec = files.load(name)
+        assert sorted(set(rec["packet_step"])) == list(range(1, len(rec["loss"]) + 1))
+
+
+def test_the_committed_labels_are_the_labelers_labels_of_the_recordings():
+    committed = json.loads(files.LABELS.read_text())
+    assert committed["labels"] == labeler.label_corpus()
+    assert committed["sha256"] == labeler.digest(committed["labels"])
+
+
+def test_the_split_is_one_whole_family_and_the_late_seeds_with_enough_of_each_label():
+    labels = json.loads(files.LABELS.read_text())["labels"]
+    test = [n for n, e in RUNS.items() if e["split"] == "test"]
+    assert {n for n in RUNS if RUNS[n]["family"] == MANIFEST["test_family"]} <= set(test)
+    assert all(RUNS[n]["seed"] >= MANIFEST["late_seed"] for n in test if RUNS[n]["family"] != MANIFEST["test_family"])
+    assert all(RUNS[n]["seed"] < MANIFEST["late_seed"] for n in RUNS
+               if n not in test and RUNS[n]["family"] != MANIFEST["test_family"])
+    kinds = [labels[n]["kind"] for n in test]
+    assert kinds.count(labeler.DIVERGING) >= 10
+    assert kinds.count(labeler.HEALTHY) >= 8
+    assert kinds.count(labeler.SPIKE) >= 5
+
+
+# -- the labeler, rule by rule ---------------------------------------------------------------
+
+
+def test_a_nonfinite_loss_is_a_divergence_at_its_step():
+    losses = [1.0] * 300 + [math.nan] * 300
+    assert labeler.label(losses, chance=3.0) == labeler.Label(labeler.DIVERGING, divergence=301, rule="a")
+
+
+def test_chance_level_after_learning_is_a_divergence():
+    losses = [3.0] * 100 + [0.5] * 200 + [3.2] * 300  # the mean fell below 1.5, then chance
+    assert labeler.label(losses, chance=3.0) == labeler.Label(labeler.DIVERGING, divergence=301, rule="b")
+
+
+def test_chance_level_before_learning_is_no_event():
+    assert labeler.label([3.2, 2.9] * 300, chance=3.0).kind == labeler.HEALTHY
+
+
+def test_a_sustained_doubling_of_the_trailing_mean_is_a_divergence_at_its_first_step():
+    losses = [1.0] * 300 + [0.4] * 200 + [1.0] * 300
+    lab = labeler.label(losses, chance=10.0)
+    assert lab.kind == labeler.DIVERGING and lab.rule == "c"
+    # the trailing mean first reaches 0.8 (2 x 0.4) at the 14th step of 1.0, and stays there
+    assert lab.divergence == 500 + 14
+
+
+def test_a_doubling_on_the_noise_floor_is_no_divergence():
+    losses = [1.0] * 100 + [0.001] * 300 + [0.002] * 400  # 2x, but 0.001 nats
+    assert labeler.label(losses, chance=10.0).kind == labeler.HEALTHY
+
+
+def test_a_return_within_200_steps_is_a_recovering_spike():
+    losses = [1.0] * 100 + [0.4] * 400 + [1.5] * 60 + [0.4] * 400
+    lab = labeler.label(losses, chance=10.0)
+    assert lab.kind == labeler.SPIKE and lab.divergence is None
+    assert lab.spikes[0][0] <= 501 + 20 and 560 < lab.spikes[0][1] <= 560 + 20
+
+
+def test_a_return_after_200_steps_is_a_divergence():
+    losses = [1.0] * 100 + [0.4] * 400 + [1.5] * 260 + [0.4] * 400
+    assert labeler.label(losses, chance=10.0).kind == labeler.DIVERGING
+
+
+def test_an_event_without_200_steps_after_it_is_not_labelled():
+    losses = [1.0] * 100 + [0.4] * 400 + [math.nan] * 150
+    assert labeler.label(losses, chance=10.0) == labeler.Label(labeler.UNLABELLED, unlabelled_event=501)
+
+
+# -- the recording's encoding ----------------------------------------------------------------
+
+
+def test_the_encoding_keeps_counts_exact_and_values_within_8e_6():
+    exact = np.array([0.0, 1.0, 3.0, 131071.0, 1e-30, 3.3e38, -2.5e-3, math.pi, math.nan, math.inf, -math.inf])
+    back = files.decode(files.encode(exact)).astype(np.float64)
+    finite = np.isfinite(exact)
+    assert np.all(np.abs(back[finite] - exact[finite]) <= 8e-6 * np.abs(exact[finite]))
+    assert list(back[:4]) == [0.0, 1.0, 3.0, 131071.0]
+    assert math.isnan(back[8]) and back[9] == math.inf and back[10] == -math.inf
+
+
+def test_the_encoding_refuses_a_finite_value_past_float32():
+    with pytest.raises(ValueError, match="float32"):
+        files.encode(np.array([1e39]))
+
+
+# -- the in-process replay -------------------------------------------------------------------
+
+
+def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path):
+    """A short real run, recorded while its live exposition is kept after every step; the replay
+    of its packets through a fresh monitor must give the same samples (the encoding's 16
+    mantissa bits aside). A lost packet, a wrong step or a mis-rebuilt section fails."""
+    run = replace(corpus.by_name()["gru-poisoned-batch-s0"], poison=(40, 41))
+    registry = CollectorRegistry()
+    live = []
+
+    def keep(monitor, step):
+        monitor.flush()
+        live.append(inprocess._collect(registry, lambda name: True))
+
+    arrays = record_corpus.record(run, steps=60, registry=registry, on_step=keep)
+    path = tmp_path / "run.npz"
+    np.savez_compressed(path, **arrays)
+    with np.load(path, allow_pickle=False) as z:
+        replayed = inprocess.replay_recording({k: z[k] for k in z.files}, run)
+    assert len(live) == 60
+    for step, scrape in enumerate(live, start=1):
+        assert set(scrape) == {k for k, v in replayed.items() if v[step] is not None}, step
+        for key, value in scrape.items():
+            got = replayed[key][step]
+            # each encoded value is within 8e-6, a ratio of two (a baseline ratio) within 1.6e-5; a
+            # spike score divides log differences by a scale of at least spikes.LOG_FLOOR, where
+            # that becomes up to ~2e-4 of score (the counters of spikes stay exact)
+            close = pytest.approx(value, abs=1e-3) if key.startswith("gradmon_spike_score{") else \
+                pytest.approx(value, rel=2e-5, abs=1e-30)
+            assert got == close or (math.isnan(got) and math.isnan(value)), (step, key)
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_the_replay_steps_the_monitor_once_per_recorded_step_with_its_loss(name):
+    series = inprocess.expositions(name, lambda n: n in ("gradmon_steps_total", "gradmon_loss"))
+    steps = next(v for k, v in series.items() if k.startswith("gradmon_steps_total{"))
+    loss = next(v for k, v in series.items() if k.startswith("gradmon_loss{"))
+    recorded = files.losses(name)
+    assert steps == [float(i) for i in range(len(recorded) + 1)]
+    for mine, theirs in zip(recorded, loss[1:]):
+        assert theirs == pytest.approx(mine, rel=1e-5) or (math.isnan(mine) and math.isnan(theirs))
+
+
+# -- promtool ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", score.RATES)
+def test_the_timeline_pages_a_nonfinite_gradient_at_the_first_evaluation_that_sees_it(rate):
+    """An independent computation: step n completes at n x rate; the first 15 s evaluation at or
+    after that sees it, and GradmonNonFiniteGradients has no ``for``."""
+    steps, nan_at = 300, 201
+    key = 'model="gru", rank="0"'
+    series = {f"gradmon_steps_total{{{key}}}": [float(i) for i in range(steps + 1)],
+              f'gradmon_nonfinite_total{{kind="nan", layer="gru", {key}, tensor="grad"}}':
+                  [0.0 if i < nan_at else 1.0 for i in range(steps + 1)]}
+    firing = pr.timeline(series, steps, pr.Mapping(rate), binary("promtool"))
+    first = next(k for k, f in enumerate(firing) if ("GradmonNonFiniteGradients", "critical") in f)
+    assert first * pr.SCRAPE_SECONDS == math.ceil(nan_at * rate / pr.SCRAPE_SECONDS) * pr.SCRAPE_SECONDS
+    assert len(firing) == pr.Mapping(rate).evaluations(steps)
+
+
+@pytest.mark.parametrize("name", PROMTOOL)
+def test_the_timeline_agrees_with_promtools_own_first_firing_times(name):
+    """On real recordings at 10 s/step: the per-evaluation timeline's first firing time and
+    onsets per alert equal what replay.py's queries (min_over_time(timestamp(ALERTS)) and its
+    rising edges) get from promtool for the same input."""
+    labels = json.loads(files.LABELS.read_text())["labels"]
+    rules = pr.shipped_rules()
+    steps = score.replay_steps(labels[name], RUNS[name]["steps"])
+    series = inprocess.expositions(name, replay.read_by(rules), steps)
+    firing = pr.timeline(series, steps, pr.Mapping(10.0), binary("promtool"), rules)
+    fired = replay.fired_alerts({"series": series}, steps, binary("promtool"), rules)
+    mine = {}
+    for k, now in enumerate(firing):
+        before = firing[k - 1] if k else frozenset()
+        for alert in now:
+            first, onsets = mine.get(alert, (k * pr.SCRAPE_SECONDS, 0))
+            mine[alert] = (first, onsets + (alert not in before))
+    assert mine == {(f.alertname, f.severity): (f.first_s, f.onsets) for f in fired}
+
+
+# -- the metrics -------------------------------------------------------------------------------
+
+
+def test_wilson_intervals_of_known_proportions():
+    assert score.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert score.wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert score.wilson(0, 0) == (0.0, 1.0)
+
+
+def _scored(kind, firing, divergence=None, spikes=(), rate=10.0):
+    return score.RunScore("r", kind, "tune", rate, 1000, divergence, [list(s) for s in spikes],
+                          [frozenset({("W", "warning")}) if x == "w" else frozenset({("P", "critical")}) if x == "p"
+                           else frozenset() for x in firing])
+
+
+def test_an_early_warning_is_the_last_edge_20_to_300_steps_before_and_held_until_the_divergence():
+    # 10 s/step: evaluation k sees step floor(1.5 k); divergence at step 150 completes at 1500 s = k 100
+    held = _scored(labeler.DIVERGING, "." * 60 + "w" * 40 + "." * 10, divergence=150)
+    assert held.early_warning_lead == 150 - 90
+    dropped = _scored(labeler.DIVERGING, "." * 60 + "w" * 30 + "." * 20, divergence=150)
+    assert dropped.early_warning_lead is None
+    too_late = _scored(labeler.DIVERGING, "." * 95 + "w" * 15, divergence=150)
+    assert too_late.early_warning_lead is None
+
+
+def test_a_page_in_time_fires_by_one_scrape_and_one_evaluation_after_the_divergence():
+    # divergence at step 150: 1500 s; deadline 1530 s = evaluation 102
+    assert _scored(labeler.DIVERGING, "." * 102 + "p", divergence=150).paged_in_time
+    assert not _scored(labeler.DIVERGING, "." * 103 + "p", divergence=150).paged_in_time
