@@ -13,6 +13,9 @@ Ctrl-C (KeyboardInterrupt)               ``interrupted``
 SIGTERM, with ``handle_sigterm``         ``terminated``, then the signal's default action
 ``os._exit``, SIGKILL, a default-action  nothing: the target disappears after its last
 signal, a fork-started child             scrape (``GradmonExporterDown`` if it was training)
+a Trainer callback's run whose train     ``failed`` (no exception type: it was caught where
+end never came (``train()`` raised and   gradmon could not see it), at the callback's next
+the exception was caught)                train begin, ``close()``, collection or at exit
 =======================================  ===============================================
 
 Each end is published at once and the endpoint then waits (bounded) for the scrapers to
@@ -28,7 +31,8 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable, Optional, Tuple
+import weakref
+from typing import Callable, Optional, Set, Tuple
 
 from . import metrics as M
 
@@ -48,6 +52,37 @@ _end_all: Optional[EndAll] = None  # end and detach every live monitor
 _previous_excepthook = sys.excepthook
 _previous_exit = sys.exit
 _sigterm_grace: Callable[[], float] = lambda: SIGTERM_GRACE_S
+_guards: "Set[Guard]" = set()  # armed: their runs are ended at exit before the rest
+
+
+class Guard:
+    """Ends a run that its owner (a framework callback) started and never saw end: when
+    the owner is collected, or at interpreter exit, before the exit ends the remaining
+    runs as ``finished``: ``failed``, or the way the script ended if an exception reached
+    the top. ``end`` must not hold the owner, or the owner is never collected. ``fire()``
+    ends the run now, ``disarm()`` when it ended as it should; at most once in all."""
+
+    def __init__(self, owner: object, end: EndAll) -> None:
+        self._end = end
+        self._finalizer = weakref.finalize(owner, self.fire)
+        self._finalizer.atexit = False  # _at_exit fires it, before _end_all
+        _guards.add(self)
+
+    def disarm(self) -> bool:
+        """True if it was armed."""
+        try:
+            _guards.remove(self)
+        except KeyError:
+            return False
+        self._finalizer.detach()
+        return True
+
+    def fire(self, end: Outcome = (M.STATE_FAILED, None)) -> None:
+        if self.disarm():
+            try:
+                self._end(*end)
+            except Exception:  # noqa: BLE001 - it runs at collection or exit, inside nobody's code
+                log.exception("gradmon: error while ending an abandoned run")
 
 
 def outcome(exc: Optional[BaseException]) -> Outcome:
@@ -134,6 +169,8 @@ def _at_exit() -> None:
     if os.getpid() != _pid or _end_all is None:
         return  # a forked child that exits normally: its parent owns the monitors and the endpoint
     try:
+        for guard in list(_guards):
+            guard.fire(_outcome or (M.STATE_FAILED, None))
         _end_all(*(_outcome or (M.STATE_FINISHED, None)))
     except BaseException:  # noqa: BLE001 - a Ctrl-C at exit ends the wait, not with a traceback from gradmon
         pass

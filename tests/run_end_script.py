@@ -5,7 +5,10 @@
 HOW: ``end`` (falls off the end, no detach), ``raise_in_with``, ``raise`` (uncaught, no
 ``with``), ``raise_detach_in_finally``, ``loader_end`` (``detach()`` in the ``except
 StopIteration`` that ends a data loop), ``exit0``, ``exit3``, ``ctrl_c``, ``sigterm`` (handle_sigterm on, trains until
-killed) or ``sigterm_own`` (the script's own SIGTERM handler, installed first). The script
+killed), ``sigterm_own`` (the script's own SIGTERM handler, installed first),
+``keep_serving`` (detaches, prints "ended", then waits for a line on stdin) or
+``abandoned_callback`` (a Trainer callback's run that never sees its train end, as when
+``train()`` raised and the exception was caught; the script then ends normally). The script
 installs its own ``sys.excepthook`` before attaching, as a framework would: gradmon must chain it.
 """
 
@@ -19,6 +22,8 @@ import torch
 from torch import nn
 
 import gradmon
+
+KEPT = []
 
 
 def main(how: str, port: int, seconds: float) -> None:
@@ -54,6 +59,23 @@ def main(how: str, port: int, seconds: float) -> None:
             raise ValueError("secret message that must not be exported")
         finally:
             monitor.detach()
+    if how == "keep_serving":
+        with gradmon.attach(model, keep_serving=True, **options):
+            train(deadline)
+        print("ended", flush=True)
+        sys.stdin.readline()
+        return
+    if how == "abandoned_callback":
+        from gradmon.integrations._run import CallbackRun
+        run = CallbackRun(options)
+        run.start(model, main_process=True)
+        KEPT.append(run)  # alive at exit, as a global Trainer's callback is
+        try:
+            train(deadline)
+            raise ValueError("caught by the sweep")
+        except ValueError:
+            pass
+        return
     if how == "loader_end":
         monitor = gradmon.attach(model, **options)
         batches = iter(range(3))

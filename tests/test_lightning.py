@@ -231,3 +231,85 @@ def test_importing_gradmon_imports_no_trainer_library():
     code = "import sys, gradmon; print(sorted(m for m in ('lightning', 'transformers', 'accelerate') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- announced, checked at once, never leaked -------------------------------------------------
+
+def quiet_trainer(gm, steps: int = STEPS) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[gm], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def loader() -> torch.utils.data.DataLoader:
+    torch.manual_seed(8)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def test_the_lightning_callback_announces_its_endpoint_on_one_stderr_line(capfd):
+    import re
+
+    from gradmon.integrations.lightning import GradmonCallback
+
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    capfd.readouterr()
+    quiet_trainer(gm, steps=2).fit(Recording(), loader())
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("gradmon:")]
+    assert len(said) == 1 and re.fullmatch(
+        r"gradmon: monitoring 3 layers of recording, metrics at (http://127\.0\.0\.1:\d+/)metrics, live page at \1",
+        said[0]), said
+
+
+def test_a_process_that_is_not_lightnings_global_zero_does_not_announce(capfd):
+    import types
+
+    from gradmon.integrations.lightning import GradmonCallback
+
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    capfd.readouterr()
+    gm.on_train_start(types.SimpleNamespace(world_size=1, is_global_zero=False, global_step=0), Recording())
+    try:
+        assert gm.monitor.state == "running" and "gradmon:" not in capfd.readouterr().err
+    finally:
+        gm.on_train_end(None, None)
+
+
+@pytest.mark.parametrize("options, error, option", [
+    ({"prot": 1}, TypeError, "prot"),
+    ({"port": "9400"}, TypeError, "port"),
+    ({"every": 0}, ValueError, "every"),
+])
+def test_a_bad_option_fails_when_the_lightning_callback_is_made(options, error, option):
+    from gradmon.integrations.lightning import GradmonCallback
+
+    with pytest.raises(error, match=repr(option)):
+        GradmonCallback(**options)
+
+
+def test_three_caught_fit_crashes_leave_no_live_run_thread_hook_or_port():
+    import socket
+    import threading
+
+    from gradmon import monitor
+    from servers import free_port
+
+    from gradmon.integrations.lightning import GradmonCallback
+
+    def publishers() -> int:
+        return sum(t.name.startswith("gradmon-publisher") for t in threading.enumerate())
+
+    port = free_port()
+    gm = GradmonCallback(port=port, addr="127.0.0.1", final_scrape_timeout=0)
+    threads = publishers()
+    for _ in range(3):
+        module = Recording(fail_at=3)
+        clean = [len(m._forward_hooks) for m in module.modules()]
+        try:
+            quiet_trainer(gm).fit(module, loader())
+        except ValueError:
+            pass
+        assert (gm.monitor._run_state, gm.monitor._failure) == ("failed", "ValueError")
+        assert monitor._live_monitors() == [] and publishers() == threads
+        assert [len(m._forward_hooks) for m in module.modules()] == clean
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()

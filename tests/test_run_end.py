@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -144,6 +145,39 @@ def test_handle_sigterm_leaves_the_jobs_own_sigterm_handler_alone():
     scraper, url, rc, _ = run_script("sigterm_own", seconds=0, signal_after=0.5)
     assert rc == 0  # the job's handler ran: sys.exit(0)
     assert scraper.state(url) == "finished"
+
+
+def test_a_trainer_callbacks_run_abandoned_by_a_caught_exception_fails_at_exit_not_finishes():
+    scraper, url, rc, out = run_script("abandoned_callback")
+    assert rc == 0, out
+    assert scraper.state(url) == "failed"
+    assert scraper.failure(url) is None  # caught where gradmon could not see it: no type to name
+
+
+def test_keep_serving_serves_the_finished_run_until_the_process_exits():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-u", str(HERE / "run_end_script.py"), "keep_serving", str(port), "0.5"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        while not lines or lines[-1] != "ended\n":
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)
+        assert any("still serving it until the process exits" in line for line in lines), lines
+        time.sleep(0.5)  # the run has been over for a while: the endpoint is still up
+        samples = parse(urllib.request.urlopen(url, timeout=5).read().decode())
+        assert value(samples, "gradmon_run_state", state="finished") == 1
+        assert value(samples, "gradmon_steps_total") > 0
+        assert urllib.request.urlopen(url[:-len("metrics")], timeout=5).status == 200
+        out, _ = proc.communicate("\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_one_torchrun_rank_raising_fails_that_rank_naming_the_exception(tmp_path):

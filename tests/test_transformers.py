@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ except ImportError:  # the test extra installs both; under CI their absence is a
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from conftest import fresh, value  # noqa: E402
+from conftest import fresh, scrape, value  # noqa: E402
 
 STEPS = 5
 ACCUMULATE = 2
@@ -213,3 +214,185 @@ def test_the_trainer_callback_averages_micro_batch_losses_for_a_model_without_lo
     assert len(logged) == len(seen.seen) == 3
     for want, (step, s) in zip(logged, seen.seen):
         assert math.isclose(value(s, "gradmon_loss"), want, rel_tol=1e-5), (step, want)
+
+
+# -- announced, checked at once, never leaked -------------------------------------------------
+
+def trainer_args(tmp_path, steps: int = 3) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4,
+                             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+
+
+def test_the_trainer_callback_announces_its_endpoint_on_one_stderr_line(tmp_path, capfd):
+    """A print, not an INFO record: the Trainer's default log level (WARNING) hides INFO."""
+    from gradmon.integrations.transformers import GradmonCallback
+
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    capfd.readouterr()
+    Trainer(model=Plain(), args=trainer_args(tmp_path), train_dataset=Tokens(32), callbacks=[gm]).train()
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("gradmon:")]
+    assert len(said) == 1 and re.fullmatch(
+        r"gradmon: monitoring 2 layers of plain, metrics at (http://127\.0\.0\.1:\d+/)metrics, live page at \1",
+        said[0]), said
+
+
+def test_a_process_that_is_not_the_trainers_main_process_does_not_announce(capfd, caplog):
+    """The Trainer's own word (``state.is_world_process_zero``), not only the RANK variable."""
+    import logging
+    import types
+
+    from gradmon.integrations.transformers import GradmonCallback
+
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="gradmon"):
+        gm.on_train_begin(types.SimpleNamespace(world_size=1, deepspeed=None),
+                          types.SimpleNamespace(is_world_process_zero=False), None, model=Plain())
+    try:
+        assert "gradmon:" not in capfd.readouterr().err
+        assert [r.levelno for r in caplog.records if r.getMessage().startswith("gradmon: monitoring")] == [logging.DEBUG]
+    finally:
+        gm.on_train_end(None, None, None)
+
+
+@pytest.mark.parametrize("options, error, option", [
+    ({"prot": 1}, TypeError, "prot"),
+    ({"port": "9400"}, TypeError, "port"),
+    ({"every": 0}, ValueError, "every"),
+])
+def test_a_bad_option_fails_when_the_callback_is_made_not_at_train_begin(options, error, option):
+    from gradmon.integrations.transformers import GradmonCallback
+
+    with pytest.raises(error, match=repr(option)):
+        GradmonCallback(**options)
+
+
+class CrashesAt(Plain):
+    """A trial that fails: its forward raises on the ``at``-th training forward."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, input_ids, labels=None):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("a trial that diverged")
+        return super().forward(input_ids, labels)
+
+
+def publisher_threads() -> int:
+    import threading
+    return sum(t.name.startswith("gradmon-publisher") for t in threading.enumerate())
+
+
+def live_monitors() -> int:
+    from gradmon import monitor
+    return len(monitor._live_monitors())
+
+
+def hook_counts(model: torch.nn.Module):
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()] + [
+        len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()]
+
+
+def crashed_trial(tmp_path, callback) -> CrashesAt:
+    model = CrashesAt(at=3)
+    clean = hook_counts(model)
+    trainer = Trainer(model=model, args=trainer_args(tmp_path, steps=5), train_dataset=Tokens(32), callbacks=[callback])
+    try:
+        trainer.train()
+    except RuntimeError:
+        pass  # the sweep goes on to the next trial
+    assert hook_counts(model) != clean  # the crashed run's hooks are still on until it is ended
+    model.clean = clean
+    return model
+
+
+def refused(port: int) -> bool:
+    import socket
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_three_crashed_trials_with_one_callback_leave_one_live_run_and_close_ends_it(tmp_path):
+    from servers import free_port
+
+    from gradmon.integrations.transformers import GradmonCallback
+
+    port = free_port()
+    gm = GradmonCallback(port=port, addr="127.0.0.1", final_scrape_timeout=0)
+    threads = publisher_threads()
+    models, monitors = [], []
+    for _ in range(3):
+        models.append(crashed_trial(tmp_path, gm))
+        monitors.append(gm.monitor)
+        assert live_monitors() == 1 and publisher_threads() == threads + 1
+    # each trial's train begin ended the crashed run before it: failed, its hooks gone
+    for model, mon in zip(models[:-1], monitors[:-1]):
+        assert (mon.state, mon._run_state, mon._failure) == ("detached", "failed", None)
+        assert hook_counts(model) == model.clean
+    assert value(fresh(gm.monitor), "gradmon_run_state", state="training") == 1  # the last one, until closed
+    gm.close()
+    assert (monitors[-1].state, monitors[-1]._run_state) == ("detached", "failed")
+    assert live_monitors() == 0 and publisher_threads() == threads
+    assert hook_counts(models[-1]) == models[-1].clean
+    assert refused(port)
+
+
+def test_a_callback_used_as_a_context_manager_ends_its_crashed_trial_at_the_end_of_the_block(tmp_path):
+    from gradmon.integrations.transformers import GradmonCallback
+
+    threads = publisher_threads()
+    for _ in range(3):
+        with GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0) as gm:
+            model = crashed_trial(tmp_path, gm)
+            port = gm.monitor.port
+        assert (gm.monitor.state, gm.monitor._run_state) == ("detached", "failed")
+        assert live_monitors() == 0 and publisher_threads() == threads
+        assert hook_counts(model) == model.clean and refused(port)
+
+
+def test_an_exception_leaving_the_with_block_names_its_type(tmp_path):
+    from gradmon.integrations.transformers import GradmonCallback
+
+    with pytest.raises(RuntimeError):
+        with GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0) as gm:
+            Trainer(model=CrashesAt(at=3), args=trainer_args(tmp_path, steps=5), train_dataset=Tokens(32),
+                    callbacks=[gm]).train()
+    assert (gm.monitor._run_state, gm.monitor._failure) == ("failed", "RuntimeError")
+
+
+def test_a_forgotten_callback_of_a_crashed_trial_ends_its_run_when_it_is_collected(tmp_path):
+    import gc
+
+    from gradmon.integrations.transformers import GradmonCallback
+
+    threads = publisher_threads()
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    model = crashed_trial(tmp_path, gm)
+    mon = gm.monitor
+    del gm
+    gc.collect()
+    assert (mon.state, mon._run_state) == ("detached", "failed")
+    assert live_monitors() == 0 and publisher_threads() == threads and hook_counts(model) == model.clean
+
+
+def test_keep_serving_leaves_the_finished_run_and_its_page_up_after_train(tmp_path):
+    from gradmon import monitor as monitor_module
+    from gradmon.integrations.transformers import GradmonCallback
+
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0, keep_serving=True)
+    Trainer(model=Plain(), args=trainer_args(tmp_path), train_dataset=Tokens(32), callbacks=[gm]).train()
+    try:
+        assert gm.monitor.state == "detached"
+        samples = {k: v for k, v in scrape(gm.monitor.url).items() if dict(k[1]).get("model") == "plain"}
+        assert value(samples, "gradmon_run_state", state="finished") == 1 and value(samples, "gradmon_step") == 3
+        import urllib.request
+        assert urllib.request.urlopen(gm.monitor.url[:-len("metrics")], timeout=5).status == 200
+    finally:
+        monitor_module._end_all("finished", None)  # what the interpreter's exit runs
+    assert gm.monitor.url is None

@@ -8,7 +8,8 @@ each optimizer step (gradmon finds the end of every backward itself, whichever f
 ``precision="16-mixed"``'s GradScaler to gradmon (its overflow steps are skips, not
 non-finite incidents), and ends the
 run with Lightning: ``finished`` at the end of ``fit``, ``failed`` (with the exception's
-type) or ``interrupted`` from ``on_exception``.
+type) or ``interrupted`` from ``on_exception``. ``close()`` and ``with`` work as for the
+Hugging Face callback.
 """
 
 from __future__ import annotations
@@ -18,31 +19,29 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
-from ..monitor import Monitor, attach
+from ._run import CallbackRun, ClosingCallback
 
 
-class GradmonCallback(pl.Callback):
-    """``options`` are :func:`gradmon.attach`'s (``port``, ``labels``, ``detail_every``...);
-    the environment's ``GRADMON_*`` variables still win. ``monitor`` is the handle while
-    training runs."""
+class GradmonCallback(ClosingCallback, pl.Callback):
+    """``options`` are :func:`gradmon.attach`'s (``port``, ``labels``, ``detail_every``...),
+    checked here (a TypeError or ValueError naming the option); the environment's
+    ``GRADMON_*`` variables still win. ``callback.monitor`` is the handle of the latest run
+    (``callback.monitor.url``)."""
 
     def __init__(self, **options: Any) -> None:
-        self.options = options
-        self.monitor: Optional[Monitor] = None
+        self._run = CallbackRun(options)
         self._step: Optional[int] = None
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.monitor is not None and self.monitor.state != "detached":
-            return  # a second fit() on the same trainer keeps the run
-        options = dict(self.options)
+        defaults = {}
         if trainer.world_size > 1:
             # the strategy's wrapper is not what is attached: ask for each rank's own view
-            options.setdefault("local_view", True)
+            defaults["local_view"] = True
         # 16-mixed: the GradScaler that skips overflow steps, so that they count as skips
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         if scaler is not None:
-            options.setdefault("scaler", scaler)
-        self.monitor = attach(pl_module, **options)
+            defaults["scaler"] = scaler
+        self._run.start(pl_module, trainer.is_global_zero, **defaults)
         self._step = trainer.global_step
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
@@ -61,10 +60,8 @@ class GradmonCallback(pl.Callback):
             self.monitor.step(trainer.global_step)  # the step just closed is Lightning's global_step
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.monitor is not None:
-            self.monitor.detach()
+        self._run.end()
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                      exception: BaseException) -> None:
-        if self.monitor is not None:
-            self.monitor.detach(error=exception)
+        self._run.end(exception)

@@ -9,10 +9,13 @@ Trainer normalised them by ``num_items_in_batch`` (each is then its share of the
 loss), so that ``gradmon_loss`` is the loss the Trainer logs for that step on this rank.
 After each optimizer step ``gradmon_step`` becomes ``state.global_step``, also after a
 step an fp16 GradScaler skipped (counted in ``gradmon_amp_skipped_steps_total``). Train end detaches
-(``finished``); an exception out of ``train()`` ends the run as ``failed`` through
-gradmon's exception hook (callbacks have no exception event). Under FSDP1 the gradients
-are reduced over the shards as for ``attach()``; under DeepSpeed ZeRO, which keeps them
-outside ``p.grad``, gradmon warns and states the gap in ``coverage().limits``.
+(``finished``). Callbacks have no exception event: an exception out of ``train()`` that
+reaches the top ends the run as ``failed`` through gradmon's exception hook, and one that
+is caught (a sweep, a retry, a notebook) at the callback's next train begin, its
+``close()`` or the end of ``with GradmonCallback(...) as callback:``, its collection, or
+exit. Under FSDP1 the gradients are reduced over the shards as for ``attach()``; under
+DeepSpeed ZeRO, which keeps them outside ``p.grad``, gradmon warns and states the gap in
+``coverage().limits``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 
 from .. import sharded
-from ..monitor import Monitor, attach
+from ._run import CallbackRun, ClosingCallback
 
 
 def _loss_of(output: Any) -> Optional[torch.Tensor]:
@@ -32,46 +35,64 @@ def _loss_of(output: Any) -> Optional[torch.Tensor]:
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
-class GradmonCallback(TrainerCallback):
-    """``options`` are :func:`gradmon.attach`'s; the ``GRADMON_*`` variables still win."""
+class _LossTap:
+    """The model's forward hook: the training forwards' losses of one optimizer step, kept
+    on the device. Apart from the callback, so that the model never holds the callback."""
 
-    def __init__(self, **options: Any) -> None:
-        self.options = options
-        self.monitor: Optional[Monitor] = None
-        self._hooks: list = []
-        self._sum: Optional[torch.Tensor] = None
-        self._count = 0
-        self._shares = False  # the micro-batch losses are shares of the step's (num_items_in_batch)
+    def __init__(self) -> None:
+        self.sum: Optional[torch.Tensor] = None
+        self.count = 0
+        self.shares = False  # the micro-batch losses are shares of the step's (num_items_in_batch)
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
-        if model is None or (self.monitor is not None and self.monitor.state != "detached"):
-            return
-        options = dict(self.options)
-        if args.world_size > 1:
-            options.setdefault("local_view", True)
-        scaler = getattr(optimizer, "scaler", None)  # fp16: the GradScaler that may skip a step
-        if scaler is not None:
-            options.setdefault("scaler", scaler)
-        self.monitor = attach(model, **options)
-        if getattr(args, "deepspeed", None):
-            self.monitor._add_limit(sharded.DEEPSPEED)
-        self._hooks = [model.register_forward_hook(self._on_forward, with_kwargs=True)]
-
-    def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
         loss = _loss_of(output)
         if loss is None:
             return
         loss = loss.detach()
-        self._sum = loss if self._sum is None else self._sum + loss
-        self._count += 1
-        self._shares = kwargs.get("num_items_in_batch") is not None
+        self.sum = loss if self.sum is None else self.sum + loss
+        self.count += 1
+        self.shares = kwargs.get("num_items_in_batch") is not None
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The step's loss, and a fresh start for the next step."""
+        loss = None if self.sum is None else self.sum if self.shares else self.sum / self.count
+        self.sum, self.count = None, 0
+        return loss
+
+
+class GradmonCallback(ClosingCallback, TrainerCallback):
+    """``options`` are :func:`gradmon.attach`'s, checked here (a TypeError or ValueError
+    naming the option); the ``GRADMON_*`` variables still win. ``callback.monitor`` is the
+    handle of the latest run (``callback.monitor.url``). For a sweep or retries, where
+    ``train()`` may raise and be caught, use ``with GradmonCallback(...) as callback:`` or
+    ``callback.close()``; one callback reused for every trial ends a crashed trial's run
+    at the next trial's train begin."""
+
+    def __init__(self, **options: Any) -> None:
+        self._run = CallbackRun(options)
+        self._loss = _LossTap()
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
+        if model is None:
+            return
+        defaults = {}
+        if args.world_size > 1:
+            defaults["local_view"] = True
+        scaler = getattr(optimizer, "scaler", None)  # fp16: the GradScaler that may skip a step
+        if scaler is not None:
+            defaults["scaler"] = scaler
+        monitor = self._run.start(model, getattr(state, "is_world_process_zero", None), **defaults)
+        if getattr(args, "deepspeed", None):
+            monitor._add_limit(sharded.DEEPSPEED)
+        self._loss.take()  # a crashed step's losses are not the next run's
+        self._run.own(model.register_forward_hook(self._loss, with_kwargs=True))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
-        if self.monitor is not None and self._sum is not None:
-            self.monitor.observe(loss=self._sum if self._shares else self._sum / self._count)
-        self._sum, self._count = None, 0
+        loss = self._loss.take()
+        if self.monitor is not None and loss is not None:
+            self.monitor.observe(loss=loss)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         # The Trainer's step boundary: after gradmon's optimizer hook closed the step (or the
@@ -80,9 +101,4 @@ class GradmonCallback(TrainerCallback):
             self.monitor.step(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        if self.monitor is not None:
-            self.monitor.detach()
-
+        self._run.end()
