@@ -396,3 +396,12 @@ def test_keep_serving_leaves_the_finished_run_and_its_page_up_after_train(tmp_pa
     finally:
         monitor_module._end_all("finished", None)  # what the interpreter's exit runs
     assert gm.monitor.url is None
+
+
+def test_the_kill_switch_makes_the_callback_a_no_op_even_with_a_bad_option(tmp_path, monkeypatch):
+    from gradmon.integrations.transformers import GradmonCallback
+
+    monkeypatch.setenv("GRADMON_DISABLE", "1")
+    gm = GradmonCallback(prot=1)  # as attach() under GRADMON_DISABLE: nothing is checked, nothing runs
+    Trainer(model=Plain(), args=trainer_args(tmp_path, steps=1), train_dataset=Tokens(8), callbacks=[gm]).train()
+    assert gm.monitor.state == "disabled" and gm.monitor.url is None

@@ -37,7 +37,8 @@ class CallbackRun:
     """The monitor of one framework callback and the end of its run."""
 
     def __init__(self, options: Dict[str, Any]) -> None:
-        _config.resolve(options)  # attach()'s own check, now: a typo fails at once, not at train begin
+        if not _config.is_disabled():  # as attach(): the kill switch makes gradmon a no-op
+            _config.resolve(options)  # attach()'s own check, now: a typo fails at once, not at train begin
         self.options = dict(options)
         self.monitor: Optional[Monitor] = None
         self._end: Optional[_RunEnd] = None
