@@ -538,3 +538,25 @@ def test_keep_serving_serves_the_finished_run_and_its_page_after_detach_until_ta
     again.detach()
     with pytest.raises(ConnectionRefusedError):  # the held endpoint went with the run that took it over
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+@pytest.mark.slow
+def test_a_two_rank_ddp_job_announces_once_from_rank_0(tmp_path, capfd):
+    """Real ranks (gloo, spawned): the line comes from rank 0 alone, rank 1 keeps quiet."""
+    import torch.multiprocessing as mp
+
+    import ddp_worker
+    from servers import free_port, free_port_range
+
+    base = free_port_range(2)
+    plan = [{"name": "one", "steps": 1}]
+    (tmp_path / "one.go").write_text("")
+    capfd.readouterr()
+    ctx = mp.start_processes(ddp_worker.run, args=(2, str(tmp_path), free_port(), base, plan),
+                             nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(1):
+        assert time.monotonic() < deadline, "ranks did not finish in time"
+    said = announcements(capfd.readouterr().err)
+    assert said == [f"gradmon: monitoring 3 layers of sequential on rank 0, metrics at "
+                    f"http://127.0.0.1:{base}/metrics, live page at http://127.0.0.1:{base}/"], said
