@@ -15,7 +15,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, Mapping, Optional, Tuple, Union
 
 LayerType = Union[str, type]
 
@@ -349,6 +349,49 @@ def _check_types(cfg: Config) -> None:
                                                  f"got {shown} ({type(value).__name__})")
 
 
+# Paths may hold bytes that are not UTF-8 (a Linux file name is bytes); every other text
+# option ends up in an exposition, a header or a pass phrase, which are UTF-8.
+_PATH_OPTIONS = ("tls_certfile", "tls_keyfile", "tls_client_cafile")
+
+
+def utf8_text(text: str) -> str:
+    """``text`` in a form that encodes as UTF-8: lone surrogates (what Python makes of an
+    environment variable's or a module name's bytes that were not UTF-8) become
+    ``\\udcXX`` escapes, so one odd name cannot make an exposition unencodable."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, tuple):
+        for item in value:
+            yield from _strings(item)
+    elif isinstance(value, collections.abc.Mapping):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+
+
+def _check_text(cfg: Config) -> None:
+    """Every text option must encode as UTF-8: refused here, naming the option, rather than
+    a UnicodeEncodeError at the first scrape or the server's start."""
+    for name in _HINTS:
+        if name in _PATH_OPTIONS:
+            continue
+        for text in _strings(getattr(cfg, name)):
+            if text.isascii():
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = f", got {text!r} ({exc.object[exc.start]!r} at {exc.start})" if _FIELDS[name].repr else ""
+                _fail(name, f"must be valid UTF-8 text{where}: bytes that are not UTF-8 in an environment "
+                            "variable reach Python as lone surrogates such as '\\udce9'")
+
+
 def _in_range(cfg: Config, name: str, low: float, high: float, what: str) -> None:
     value = getattr(cfg, name)
     if not low <= value <= high:
@@ -357,6 +400,7 @@ def _in_range(cfg: Config, name: str, low: float, high: float, what: str) -> Non
 
 def _validate(cfg: Config) -> None:
     _check_types(cfg)  # everything below may rely on the declared types
+    _check_text(cfg)
     _in_range(cfg, "port", 0, 65535, "in 0..65535 (0 picks a free port)")
     try:
         ipaddress.ip_address(cfg.addr)
@@ -497,7 +541,7 @@ def env_var(field_name: str) -> str:
 
 def _shown(name: str, raw: str) -> str:
     """``GRADMON_X=value`` as an error message shows it; secrets are never echoed."""
-    return f"{env_var(name)}={raw if _FIELDS[name].repr else '<hidden>'}"
+    return f"{env_var(name)}={utf8_text(raw) if _FIELDS[name].repr else '<hidden>'}"
 
 
 def env_overrides(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:

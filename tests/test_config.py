@@ -101,3 +101,50 @@ def test_every_option_but_code_only_ones_has_an_environment_variable():
                  if hint is typing.Any or "Callable" in str(hint)}
     assert set(config._ENV_PARSERS) == {f.name for f in fields(Config)} - code_only
     assert code_only == {"registry", "scaler", "on_nonfinite"}
+
+
+# --- text that is not UTF-8 ----------------------------------------------------------------
+# Bytes in an environment variable that are not UTF-8 reach Python as lone surrogates
+# (os.environ decodes with surrogateescape); a string built in code can hold them too.
+
+@pytest.mark.parametrize("option, value", [
+    ("labels", {"run_id": "exp-\udce9"}), ("name", "gpt\udcff"), ("include", ("blocks.\ud800*",)),
+    ("ui_hosts", ("proxy\udce9",))])
+def test_text_that_cannot_be_utf8_is_a_value_error_naming_the_option(option, value):
+    with pytest.raises(ValueError, match=f"option {option!r} must be valid UTF-8 text"):
+        gradmon.attach(mlp(), port=0, **{option: value})
+
+
+def test_text_that_is_utf8_but_not_ascii_is_accepted():
+    cfg = config.resolve({"labels": {"team": "équipe-北京"}, "name": "modèle"}, environ={})
+    assert cfg.labels["team"] == "équipe-北京" and cfg.name == "modèle"
+
+
+def _attach_in_a_child(env: typing.Dict[bytes, bytes]) -> str:
+    """attach() in a new interpreter whose environment holds ``env`` as raw bytes; its error."""
+    import os
+    import subprocess
+    import sys
+    code = ("import gradmon, torch\n"
+            "try:\n"
+            "    gradmon.attach(torch.nn.Linear(2, 2), port=0, addr='127.0.0.1')\n"
+            "    print('attached')\n"
+            "except Exception as exc:\n"
+            "    print(type(exc).__name__, exc)\n")
+    environ = {k: v for k, v in os.environb.items() if not k.startswith(b"GRADMON_")}
+    environ.update(env)
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, timeout=120)
+    return out.stdout.decode("utf-8", "backslashreplace")
+
+
+def test_a_password_whose_bytes_are_not_utf8_is_a_value_error_naming_the_variable_not_a_unicode_error():
+    said = _attach_in_a_child({b"GRADMON_BASIC_AUTH_USER": b"prom", b"GRADMON_BASIC_AUTH_PASSWORD": b"p\xe4ss"})
+    assert said.startswith("ValueError gradmon: GRADMON_BASIC_AUTH_PASSWORD=<hidden>: option 'basic_auth_password' "
+                           "must be valid UTF-8 text"), said
+    assert "\\udce4" not in said  # nothing of the secret is shown
+
+
+def test_a_label_whose_bytes_are_not_utf8_is_a_value_error_naming_the_variable():
+    said = _attach_in_a_child({b"GRADMON_LABELS": b"run_id=exp-\xe9"})
+    assert said.startswith("ValueError gradmon: GRADMON_LABELS=run_id=exp-\\udce9: option 'labels' "
+                           "must be valid UTF-8 text"), said
