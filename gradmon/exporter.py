@@ -9,6 +9,7 @@ told apart by the ``model`` label.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import math
@@ -24,7 +25,8 @@ from prometheus_client.registry import CollectorRegistry
 
 from . import metrics as M
 from . import process, tls, ui
-from .config import Config
+from .config import Config, utf8_text
+from .errors import ErrorLog
 from .server import CachedExposition, MetricsServer
 from .snapshot import Snapshot
 
@@ -54,7 +56,9 @@ ExportSource = Callable[[], ExportView]
 
 
 class _Families:
-    """Metric families under construction, one per spec, created on first use."""
+    """Metric families under construction, one per spec, created on first use. Label values
+    are made encodable as they come in (:func:`utf8_text`): the exposition is encoded as
+    a whole, so one unencodable value would otherwise fail every model's scrape."""
 
     def __init__(self) -> None:
         self._by_name: Dict[str, Metric] = {}
@@ -67,7 +71,19 @@ class _Families:
             metric = self._by_name[spec.name] = Metric(spec.name, spec.help, typ)
         if not suffix and spec.type == "counter":
             suffix = "_total"
-        metric.add_sample(spec.name + suffix, dict(labels), float(value))
+        values = dict(labels)
+        if not all(map(str.isascii, values.values())):
+            values = {k: utf8_text(v) for k, v in values.items()}
+        metric.add_sample(spec.name + suffix, values, float(value))
+
+    def merge(self, other: "_Families") -> None:
+        """Add every sample of ``other`` (one model's, built apart so that it can be dropped)."""
+        for name, metric in other._by_name.items():
+            mine = self._by_name.get(name)
+            if mine is None:
+                self._by_name[name] = metric
+            else:
+                mine.samples.extend(metric.samples)
 
     def __iter__(self):
         return iter(self._by_name.values())
@@ -132,6 +148,27 @@ def add_view(fam: _Families, view: ExportView) -> None:
         fam.add(M.LEARNING_RATE, _with(base, group=str(group)), lr)
 
 
+def _with_errors(view: ExportView, more: Mapping[str, int]) -> ExportView:
+    if not any(more.values()):
+        return view
+    errors = dict(view.errors)
+    for stage, n in more.items():
+        errors[stage] = errors.get(stage, 0) + n
+    return dataclasses.replace(view, errors=errors)
+
+
+def _failed_view(view: ExportView) -> _Families:
+    """What a model whose series could not be built still exports: its error counts, the
+    one that just failed included, so that the failure is seen where the model is."""
+    fam = _Families()
+    try:
+        for stage, count in _with_errors(view, {"collect": 1}).errors.items():
+            fam.add(M.HOOK_ERRORS, _with(view.labels, stage=stage), count)
+    except Exception:  # labels that cannot even carry a counter: the model is left out
+        return _Families()
+    return fam
+
+
 class GradmonCollector:
     """A prometheus_client collector over the export views of every registered model."""
 
@@ -142,12 +179,13 @@ class GradmonCollector:
         # Final views of models detached while others still use the endpoint: served until
         # the endpoint closes, so that one final-scrape wait covers every model on it.
         self._retired: Dict[int, ExportView] = {}
+        self._retired_errors: Dict[int, ErrorLog] = {}  # a retired view's own collect errors
 
     def generation(self) -> Hashable:
         """Changes whenever any model publishes a snapshot or changes run state."""
         with self._lock:
             gens = list(self._generations.items())
-            retired = tuple(self._retired)
+            retired = tuple((key, errors.total()) for key, errors in self._retired_errors.items())
         return tuple((key, gen()) for key, gen in gens), retired
 
     def add(self, key: int, source: ExportSource, on_error: Callable[[str, BaseException], None],
@@ -169,6 +207,7 @@ class GradmonCollector:
             self._sources.pop(key, None)
             self._generations.pop(key, None)
             self._retired.pop(key, None)
+            self._retired_errors.pop(key, None)
             return len(self._sources)
 
     def retire(self, key: int, final: ExportView) -> None:
@@ -177,11 +216,12 @@ class GradmonCollector:
             self._sources.pop(key, None)
             self._generations.pop(key, None)
             self._retired[key] = final
+            self._retired_errors[key] = ErrorLog(final.labels.get("model", "?"))
 
     def _views(self) -> List[Tuple[ExportView, Callable[[str, BaseException], None]]]:
         with self._lock:
             sources = list(self._sources.values())
-            retired = list(self._retired.values())
+            retired = [(view, self._retired_errors[key]) for key, view in self._retired.items()]
         views: List[Tuple[ExportView, Callable[[str, BaseException], None]]] = []
         for source, on_error in sources:
             try:
@@ -190,7 +230,8 @@ class GradmonCollector:
                 on_error("collect", exc)
         live = {tuple(sorted(v.labels.items())) for v, _ in views}
         # a model attached again under the same name and labels replaces its retired view
-        return views + [(v, lambda stage, exc: None) for v in retired if tuple(sorted(v.labels.items())) not in live]
+        return views + [(_with_errors(v, errors.counts()), errors.record) for v, errors in retired
+                        if tuple(sorted(v.labels.items())) not in live]
 
     def views(self) -> List[ExportView]:
         """Every model served here, live or retired (the live page's models)."""
@@ -201,12 +242,15 @@ class GradmonCollector:
         views = self._views()
         process_labels: Optional[Mapping[str, str]] = None
         for view, on_error in views:
+            own = _Families()
             try:
-                add_view(fam, view)
-                if process_labels is None:
-                    process_labels = {k: v for k, v in view.labels.items() if k != "model"}
-            except Exception as exc:
+                add_view(own, view)
+            except Exception as exc:  # this model's series are dropped, the others' served
                 on_error("collect", exc)
+                own = _failed_view(view)
+            fam.merge(own)
+            if process_labels is None:
+                process_labels = {k: v for k, v in view.labels.items() if k != "model"}
         if process_labels is not None:
             for spec, labels, value in process.samples(process_labels):
                 fam.add(spec, labels, value)
@@ -418,7 +462,8 @@ def _serve(cfg: Config, port: int) -> Endpoint:
     ep.server = MetricsServer(ep.cache.get, addr=cfg.addr, port=port, tls=context, basic_auth=auth,
                               connection_timeout=cfg.connection_timeout, max_connections=cfg.max_connections,
                               on_scrape=ep.count_scrape, on_scrape_start=ep.start_scrape,
-                              pages=ui.pages(collector.views) if cfg.ui else None, host_ok=ui.host_check(cfg))
+                              pages=ui.pages(collector.views) if cfg.ui else None, host_ok=ui.host_check(cfg),
+                              on_render_error=lambda exc: collector.report_error("collect", exc))
     _warn_about_exposure(cfg)
     log.info("gradmon: serving metrics on %s", ep.url)
     return ep

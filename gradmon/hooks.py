@@ -70,6 +70,36 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
             yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
 
 
+def _fake_type() -> Optional[type]:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    return FakeTensor
+
+
+def measurable(t: torch.Tensor) -> Tuple[Optional[torch.Tensor], str]:
+    """(the tensor to measure, "") for a floating-point output or gradient, or (None, what
+    it is) when it has no values gradmon can reduce: a meta or fake tensor has none, a
+    nested tensor has no kernel for the reductions, a DTensor that is not replicated holds
+    only part of the value here (a replicated one is measured through its local copy).
+    Such a tensor costs its own record, never the step's other records."""
+    if t.is_meta:
+        return None, "a meta tensor"
+    if t.is_nested:
+        return None, "a nested tensor"
+    if type(t) is torch.Tensor:
+        return t, ""
+    fake = _fake_type()
+    if fake is not None and isinstance(t, fake):
+        return None, "a FakeTensor"
+    if sharded.is_sharded(t):
+        if all(p.is_replicate() for p in t.placements):
+            return t.to_local(), ""
+        return None, f"a DTensor placed {tuple(t.placements)}"
+    return t, ""
+
+
 def _recomputed_twice() -> bool:
     """A forward that activation checkpointing re-runs inside backward, whose original
     was already measured. Non-reentrant checkpointing ran the original with grad
@@ -224,6 +254,7 @@ class Recorder:
                  flat_units: Sequence[sharded.FlatUnit] = ()) -> None:
         self.cfg = cfg
         self.statistics = tuple(statistics)
+        self._layer_names = tuple(layer.name for layer in layers)
         self._at: Dict[str, Tuple[Statistic, ...]] = {
             at: tuple(st for st in self.statistics if st.at == at)
             for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER, S.OPTIMIZER)}
@@ -264,6 +295,7 @@ class Recorder:
         self._batched: Dict[str, Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]] = {}
         self._learning_rates: Tuple[Any, ...] = ()  # this step's, per param group: floats or tensors
         self._unread: set = set()  # optimizers whose state could not be read, already logged
+        self._unmeasured: set = set()  # kinds of output tensor skipped, already logged
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._accumulated = False  # autograd accumulated a monitored gradient in this backward
         self._fresh_backward = False  # self._batched holds this step's gradients
@@ -348,14 +380,15 @@ class Recorder:
             self._accumulated = True
             self._enter_backward()
             if self._at[S.LOCAL_GRAD] and p.grad is not None:
-                self._record(S.LOCAL_GRAD, param, sharded.local(p.grad))
+                self._record(S.LOCAL_GRAD, param, sharded.local(p.grad), "backward")
         except Exception as exc:
             self.errors.record("backward", exc)
         finally:
             self.overhead += perf_counter() - t0
 
-    def _record(self, at: str, key: int, t: torch.Tensor) -> None:
-        """One record of every statistic recorded at ``at``, of the tensor ``t``. The
+    def _record(self, at: str, key: int, t: torch.Tensor, stage: str) -> None:
+        """One record of every statistic recorded at ``at``, of the tensor ``t``; a
+        statistic that fails on it misses this record alone (counted under ``stage``). The
         tensor recorded last at ``at``, recorded again unchanged, reuses its records: a
         model whose forward returns its last child's output (the logits: an LLM's largest
         tensor) would otherwise be read twice every step, as a block and as the root."""
@@ -363,12 +396,30 @@ class Recorder:
         if last is not None and last[0] is t and last[1] == t._version:
             made = last[2]
         else:
-            made = [(st, (st.derive is not None and self._derived(st, t)) or st.record(t))
-                    for st in self._at[at] if st.dtypes is None or t.dtype in st.dtypes]
+            made = []
+            for st in self._at[at]:
+                if st.dtypes is None or t.dtype in st.dtypes:
+                    try:
+                        made.append((st, (st.derive is not None and self._derived(st, t)) or st.record(t)))
+                    except Exception as exc:
+                        self.errors.record(stage, exc)
             # one tensor held per moment, until the next record or the end of the pass
             self._last_record[at] = (t, t._version, made)
         for st, parts in made:
             self._records[st.name].add(key, t.numel(), parts)
+
+    def _measurable(self, t: torch.Tensor, at: str, key: int) -> Optional[torch.Tensor]:
+        """``measurable(t)``, saying once per kind of tensor what is skipped."""
+        out, what = measurable(t)
+        kind = what.split(" placed")[0]
+        if out is None and kind not in self._unmeasured:
+            self._unmeasured.add(kind)
+            where = (f"the value of top-level block #{key} (#0: the model's input)" if at == S.BLOCK else
+                     ("the gradient of the output" if at == S.OUTPUT_GRAD else "the output")
+                     + f" of layer {self._layer_names[key]!r}")
+            log.warning("gradmon: %s is %s, which has no values gradmon can reduce; that record is skipped, "
+                        "the rest of the step is measured (said once per kind of tensor)", where, what)
+        return out
 
     def _derived(self, st: Statistic, t: torch.Tensor) -> Optional[Tuple[torch.Tensor, ...]]:
         """``st``'s record of ``t`` taken from the record another statistic made of it
@@ -387,12 +438,20 @@ class Recorder:
         return self.active and module.training and torch.is_grad_enabled() and not _recomputed_twice()
 
     def _record_forward(self, at: str, key: int, values: Any, grad_flow: bool = False) -> None:
+        """Records of each floating-point tensor among ``values``; one that cannot be
+        measured, or whose measurement fails, costs only its own records."""
         for t in iter_tensors(values):
             if not is_floating(t) or t.numel() == 0:
                 continue
-            self._record(at, key, t)
-            if grad_flow and t.requires_grad:
-                t.register_hook(partial(self.on_grad_flow, key))
+            try:
+                values_of = self._measurable(t, at, key)
+                if values_of is None:
+                    continue
+                self._record(at, key, values_of, "forward")
+                if grad_flow and t.requires_grad:
+                    t.register_hook(partial(self.on_grad_flow, key))
+            except Exception as exc:
+                self.errors.record("forward", exc)
 
     @torch._dynamo.disable
     def on_root_forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -447,7 +506,9 @@ class Recorder:
         t0 = perf_counter()
         try:
             self._enter_backward()
-            self._record(S.OUTPUT_GRAD, layer, grad)
+            values_of = self._measurable(grad, S.OUTPUT_GRAD, layer)
+            if values_of is not None:
+                self._record(S.OUTPUT_GRAD, layer, values_of, "grad_flow")
         except Exception as exc:
             self.errors.record("grad_flow", exc)
         finally:
@@ -799,26 +860,15 @@ class Recorder:
         # A GradScaler's loss scale is divided out on the device, column by column.
         inv = self._scale.double().reciprocal().reshape(()) if self._scale is not None else None
         for st in self.statistics:
-            if st.at in S.BATCHED:
-                if st.name not in self._batched:
-                    continue
-                rows, keys, numels = self._batched[st.name]
-                blocks = [rows]
-            else:
-                committed = self._records[st.name].committed()
-                if not committed:
-                    continue
-                keys = tuple(key for key, _, _ in committed)
-                numels = tuple(numel for _, numel, _ in committed)
-                home = home or committed[0][2][0].device
-                blocks = [stats.stack_records([rec[2][j] for rec in committed], home) for j in range(len(st.parts))]
-            home = home or blocks[0].device
-            for part, block in zip(st.parts, blocks):
-                powers = [c.scale_power for c in part]
-                if inv is not None and any(powers):
-                    block = block.double() * torch.stack([inv.to(block.device) ** p for p in powers])
-                parts.append(block)
-            sections.append(Section(st, keys, numels))
+            try:
+                made = self._section(st, home, inv)
+            except Exception as exc:  # this statistic misses the step; the others are in the packet
+                self.errors.record("step", exc)
+                continue
+            if made is not None:
+                section, blocks, home = made
+                parts.extend(blocks)
+                sections.append(section)
         names, scalars = self._step_scalars(self._scale)
         if scalars:
             home = home or scalars[0].device
@@ -829,6 +879,48 @@ class Recorder:
         return dataclasses.replace(
             packet, data=data, event=event, sections=tuple(sections), scalars=names,
             sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
+
+
+    def _section(self, st: Statistic, home: Optional[torch.device], inv: Optional[torch.Tensor]
+                 ) -> Optional[Tuple[Section, List[torch.Tensor], torch.device]]:
+        """``st``'s part of the packet: its section, its (n, width) blocks already in the
+        packet's device and dtype (so that packing cannot fail on them), and the packet's
+        device. When records cannot be stacked, those that are not plain tensors are dropped
+        (counted), and the others kept."""
+        if st.at in S.BATCHED:
+            if st.name not in self._batched:
+                return None
+            rows, keys, numels = self._batched[st.name]
+            blocks = [rows]
+        else:
+            committed = self._records[st.name].committed()
+            if not committed:
+                return None
+            home = home or committed[0][2][0].device
+            try:
+                blocks = _stack_parts(st, committed, home)
+            except Exception as exc:  # a tensor subclass's records: the plain ones go on
+                self.errors.record("step", exc)
+                committed = [rec for rec in committed if all(type(part) is torch.Tensor for part in rec[2])]
+                if not committed:
+                    return None
+                blocks = _stack_parts(st, committed, home)
+            keys = tuple(key for key, _, _ in committed)
+            numels = tuple(numel for _, numel, _ in committed)
+        home = home or blocks[0].device
+        ship = stats._ship_dtype(home)
+        out = []
+        for part, block in zip(st.parts, blocks):
+            powers = [c.scale_power for c in part]
+            if inv is not None and any(powers):
+                block = block.double() * torch.stack([inv.to(block.device) ** p for p in powers])
+            out.append(block.to(device=home, dtype=ship, non_blocking=True))
+        return Section(st, keys, numels), out, home
+
+
+def _stack_parts(st: Statistic, records: Sequence[Tuple[int, int, Sequence[torch.Tensor]]],
+                 home: torch.device) -> List[torch.Tensor]:
+    return [stats.stack_records([rec[2][j] for rec in records], home) for j in range(len(st.parts))]
 
 
 class HookSet:

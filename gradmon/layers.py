@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .config import Config
+from .config import Config, utf8_text
 
 ROOT_LABEL = "(root)"
 
@@ -95,7 +95,9 @@ _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
 def clean_name(qname: str) -> str:
-    return ".".join(part for part in qname.split(".") if part not in _WRAPPER_SEGMENTS)
+    """The layer label of a module: wrappers dropped, and any lone surrogate escaped (a name
+    is any str to ``add_module``; gradmon's labels must encode as UTF-8)."""
+    return utf8_text(".".join(part for part in qname.split(".") if part not in _WRAPPER_SEGMENTS))
 
 
 def discover(model: nn.Module, cfg: Config) -> List[Layer]:
@@ -110,7 +112,7 @@ def discover(model: nn.Module, cfg: Config) -> List[Layer]:
             continue  # a container, or a frozen layer
         name = clean_name(qname) or ROOT_LABEL
         if name in taken:  # a wrapper and what it wraps both own parameters: keep them apart
-            name = qname
+            name = utf8_text(qname)
         taken.add(name)
         unclaimed = tuple(p for p in own if id(p) not in owner)
         tied_to = None if unclaimed else owner[id(own[0])]
@@ -143,6 +145,6 @@ def top_blocks(root: nn.Module) -> List[Tuple[str, nn.Module]]:
             if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 visit(full + ".", child)
             else:
-                out.append((full, child))
+                out.append((utf8_text(full), child))
     visit("", root)
     return out

@@ -8,11 +8,12 @@ thread and joins or starts the exporter endpoint. ``detach()`` undoes all of it.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import sys
 import threading
 import weakref
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from . import config as _config
 from . import exporter
 from . import metrics as M
 from . import run_end, sharded
-from .config import Config
+from .config import Config, utf8_text
 from .errors import ErrorLog
 from .hooks import HookSet, Recorder
 from .identity import RankInfo, data_parallel_rank, detect
@@ -29,7 +30,7 @@ from .layers import Layer, discover, has_trainable_parameters, is_ddp, top_block
 from . import statistics as S
 from .grouping import group_layers
 from .history import History
-from .snapshot import Aggregator, Coverage, NonFiniteIncident, Publisher, Snapshot
+from .snapshot import Aggregator, CarriedCounters, Coverage, NonFiniteIncident, Publisher, Snapshot
 from .spikes import SpikeTracker
 
 log = logging.getLogger("gradmon")
@@ -41,7 +42,7 @@ _LIVE: "weakref.WeakSet[Monitor]" = weakref.WeakSet()
 _HELD: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], "Monitor"] = {}  # keep_serving: ended, still served
 # Counters of detached monitors, by (model name, labels): a monitor attached again under
 # the same name continues them, so they never go backwards within a process.
-_CARRIED: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], Tuple[Dict[str, object], Dict[str, int], float]] = {}
+_CARRIED = CarriedCounters(most=64)
 
 
 def _version() -> str:
@@ -49,9 +50,11 @@ def _version() -> str:
     return __version__
 
 
-def _unique_name(wanted: str) -> str:
+def _unique_name(wanted: str, ended: Callable[[str], bool] = lambda name: False) -> str:
+    """``wanted``, or ``wanted-N``: not in use, nor a name whose carried counters were
+    dropped (``ended``; its series must not start again from 0)."""
     name, n = wanted, 1
-    while name in _NAMES_IN_USE:
+    while name in _NAMES_IN_USE or ended(name):
         n += 1
         name = f"{wanted}-{n}"
     return name
@@ -112,8 +115,9 @@ class Monitor:
     def step(self, global_step: Optional[int] = None) -> None:
         """Close a training step by hand (loops without torch.optim), or, right after an
         optimizer step, set the training's own global step number (e.g. after resuming)."""
+        _check_step_number(global_step)
         if self._recorder is not None:
-            self._recorder.manual_step(global_step)
+            self._recorder.manual_step(None if global_step is None else operator.index(global_step))
 
     def observe(self, *, loss: Union[torch.Tensor, float]) -> None:
         """Give gradmon this micro-batch's loss (call it before ``optimizer.step()``; once
@@ -302,7 +306,7 @@ class Monitor:
                 f"(include={cfg.include}, exclude={cfg.exclude}, layer_types={cfg.layer_types})")
         self._layer_names = tuple(layer.name for layer in layers)
         self._model_ref = weakref.ref(model)
-        self._labels = {"model": self.name, "rank": str(self.rank.rank), **cfg.labels}
+        self._labels = _series_labels(self.name, self.rank, cfg)
         local_view = cfg.local_view if cfg.local_view is not None else is_ddp(model)
         statistics = S.enabled(cfg, local_view=local_view, fp16_headroom=_fp16_headroom(cfg, layers))
         blocks = top_blocks(inner)
@@ -394,6 +398,22 @@ class Monitor:
             info={"version": _version(), "torch_version": torch.__version__,
                   "world_size": str(self.rank.world_size)},
             reduced_per_layer=self._reduced_per_layer, per_layer=self._per_layer, history=self._history)
+
+
+def _series_labels(name: str, rank: RankInfo, cfg: Config) -> Dict[str, str]:
+    return {"model": name, "rank": str(rank.rank), **cfg.labels}
+
+
+def _check_step_number(global_step: object) -> None:
+    """``step(global_step)`` takes an integer (numpy's too): a mistake there is the caller's
+    and is said at the call, never found later as a broken step count."""
+    if global_step is None:
+        return
+    if isinstance(global_step, (bool, torch.Tensor)) or not hasattr(type(global_step), "__index__"):
+        tensor = isinstance(global_step, torch.Tensor)
+        hint = "; pass int(t) (gradmon never reads a tensor on the host for you)" if tensor else ""
+        raise TypeError(f"gradmon: Monitor.step(global_step=...) takes an integer step number or None, "
+                        f"got {type(global_step).__name__} {global_step!r}{hint}")
 
 
 def _fp16_headroom(cfg: Config, layers: Sequence[Layer]) -> bool:
@@ -502,7 +522,8 @@ def attach(model: nn.Module, **options: Any) -> Monitor:
             raise ValueError(
                 f"gradmon.attach(): this model is already monitored as {existing.name!r} with "
                 "different options; call detach() on that handle before attaching again")
-        name = _unique_name(cfg.name or type(inner).__name__.lower())
+        name = _unique_name(cfg.name or utf8_text(type(inner).__name__.lower()),
+                            lambda n: _CARRIED.ended((n, tuple(sorted(_series_labels(n, rank, cfg).items())))))
         mon = Monitor(cfg, name, rank)
         _NAMES_IN_USE[name] = mon
         try:

@@ -164,6 +164,9 @@ class Page:
 
 UI_RATE = 2.0  # requests a second per client address, with a burst of UI_BURST
 UI_BURST = 6  # a page load: the page, its script and style, and its first data request
+UI_OVERALL = (10.0, 30)  # (rate, burst) of the live page for every client together
+AUTH_FAILURES = (1.0, 10)  # (rate, burst) of failed basic-auth attempts a client address may make
+AUTH_FAILURES_OVERALL = (5.0, 30)  # the same for every address that has not authenticated before
 UI_HEADERS = (("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'"),
               ("X-Content-Type-Options", "nosniff"), ("X-Frame-Options", "DENY"),
               ("Referrer-Policy", "no-referrer"), ("Cache-Control", "no-store"))
@@ -172,22 +175,50 @@ STATIC_HEADERS = tuple(h for h in UI_HEADERS if h[0] != "Cache-Control") + (("Ca
 
 
 class _Buckets:
-    """A token bucket per client address for the live page, bounded in size."""
+    """A token bucket per client address, bounded in size, and one over all of them.
 
-    def __init__(self, rate: float, burst: int, most: int = 256) -> None:
+    The table forgets its least recently seen address past ``most``, and one host holds
+    many addresses (every 127.x.y.z is loopback): per address alone, a client could
+    multiply its rate by its addresses. ``overall`` (rate, burst) caps every address
+    together, so whatever a client does costs the process at most that rate."""
+
+    def __init__(self, rate: float, burst: int, most: int = 256,
+                 overall: Optional[Tuple[float, int]] = None) -> None:
         self.rate, self.burst, self.most = rate, burst, most
+        self.overall = overall
         self._lock = threading.Lock()
         self._tokens: Dict[str, Tuple[float, float]] = {}  # address -> (tokens, at)
+        self._all = (float(overall[1]), time.monotonic()) if overall else (0.0, 0.0)
 
-    def take(self, address: str) -> bool:
+    def _levels(self, address: str, alone: bool, now: float) -> List[float]:
+        """Tokens now in the address's bucket and, unless ``alone``, the overall one."""
+        tokens, at = self._tokens.pop(address, (float(self.burst), now))
+        if len(self._tokens) >= self.most:
+            self._tokens.pop(next(iter(self._tokens)))  # the least recently seen
+        self._tokens[address] = (min(float(self.burst), tokens + (now - at) * self.rate), now)
+        levels = [self._tokens[address][0]]
+        if self.overall is not None and not alone:
+            rate, burst = self.overall
+            self._all = (min(float(burst), self._all[0] + (now - self._all[1]) * rate), now)
+            levels.append(self._all[0])
+        return levels
+
+    def allows(self, address: str, alone: bool = False) -> bool:
+        """Whether ``take`` would succeed now; takes nothing. ``alone``: by the address's
+        own bucket only."""
+        with self._lock:
+            return all(level >= 1 for level in self._levels(address, alone, time.monotonic()))
+
+    def take(self, address: str, alone: bool = False) -> bool:
+        """A token from the address's bucket and the overall one, if each has one."""
         now = time.monotonic()
         with self._lock:
-            tokens, at = self._tokens.pop(address, (float(self.burst), now))
-            tokens = min(float(self.burst), tokens + (now - at) * self.rate)
-            if len(self._tokens) >= self.most:
-                self._tokens.pop(next(iter(self._tokens)))  # the least recently seen
-            allowed = tokens >= 1
-            self._tokens[address] = (tokens - 1 if allowed else tokens, now)
+            levels = self._levels(address, alone, now)
+            allowed = all(level >= 1 for level in levels)
+            if allowed:
+                self._tokens[address] = (levels[0] - 1, now)
+                if len(levels) > 1:
+                    self._all = (levels[1] - 1, now)
             return allowed
 
 
@@ -197,12 +228,17 @@ class _Site:
 
     path: str
     render: Render
-    auth: Optional[bytes]  # the expected Authorization header, or None
+    auth: Tuple[bytes, ...]  # the Authorization headers accepted; none: no auth
     on_scrape_start: Callable[[str], object]  # the scraper's address -> a token for on_scrape
     on_scrape: Callable[[object], None]
     pages: Dict[str, Page] = field(default_factory=dict)
     host_ok: Callable[[str], bool] = lambda host: True
-    ui_buckets: _Buckets = field(default_factory=lambda: _Buckets(UI_RATE, UI_BURST))
+    ui_buckets: _Buckets = field(default_factory=lambda: _Buckets(UI_RATE, UI_BURST, overall=UI_OVERALL))
+    auth_failures: _Buckets = field(default_factory=lambda: _Buckets(*AUTH_FAILURES, overall=AUTH_FAILURES_OVERALL))
+    # addresses that authenticated: only their own failures limit them, so that guesses from
+    # many other addresses cannot lock a scraper out
+    authenticated: Dict[str, None] = field(default_factory=dict)
+    on_render_error: Callable[[BaseException], None] = lambda exc: None
 
 
 class _Server(socketserver.TCPServer):
@@ -431,7 +467,7 @@ class _Handler(BaseHTTPRequestHandler):
         if page is None and route != site.path:
             return self._send(404, b"not found: gradmon serves " + site.path.encode() + b"\n")
         if (page is None or page.auth) and not self._authorized():
-            return self._send(401, b"unauthorized\n", headers=(("WWW-Authenticate", 'Basic realm="gradmon"'),))
+            return
         if page is None:
             return self._metrics()
         if not page.ui:
@@ -456,8 +492,24 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, page.body(""), page.ctype, headers)
 
     def _authorized(self) -> bool:
-        expected = self.server.site.auth
-        return expected is None or hmac.compare_digest(self.headers.get("Authorization", "").encode(), expected)
+        """True if the request may go on; otherwise it has been answered: 401, or 429 for a
+        client over its rate of failed attempts, whose credential is then not even compared
+        (a correct guess must not get through a throttle), so guessing goes at that rate."""
+        site = self.server.site
+        if not site.auth:
+            return True
+        peer = str(self.client_address[0])
+        if not site.auth_failures.allows(peer, alone=peer in site.authenticated):
+            self._send(429, b"too many failed authentications\n", headers=(("Retry-After", "1"),))
+            return False
+        # http.server decodes headers as Latin-1: encoding back gives the bytes sent
+        sent = self.headers.get("Authorization", "").encode("latin-1", "replace")
+        if any([hmac.compare_digest(sent, accepted) for accepted in site.auth]):  # all compared: constant time
+            _remember(site.authenticated, peer)
+            return True
+        site.auth_failures.take(peer, alone=peer in site.authenticated)
+        self._send(401, b"unauthorized\n", headers=(("WWW-Authenticate", 'Basic realm="gradmon", charset="UTF-8"'),))
+        return False
 
     def _metrics(self) -> None:
         site = self.server.site
@@ -468,7 +520,11 @@ class _Handler(BaseHTTPRequestHandler):
             # before rendering: a scrape that starts later renders newer state. The peer's
             # host, not its port: a scraper's connections come from changing ports.
             token = site.on_scrape_start(self.client_address[0])
-        body = site.render()
+        try:
+            body = site.render()
+        except Exception as exc:  # the collector isolates each model; this is the rest
+            site.on_render_error(exc)
+            return self._send(500, b"gradmon could not render the metrics; the training job's log says why\n")
         headers: List[Tuple[str, str]] = [("Vary", "Accept-Encoding")]
         if accepts_gzip(", ".join(self.headers.get_all("Accept-Encoding", []))):
             body = gzip.compress(body, compresslevel=1)
@@ -478,6 +534,29 @@ class _Handler(BaseHTTPRequestHandler):
         # Prometheus whose scrape_timeout passed drops what it gets and never sees the state)
         if scrape and time.monotonic() < gives_up:
             site.on_scrape(token)
+
+
+def _remember(addresses: Dict[str, None], address: str, most: int = 64) -> None:
+    """Add ``address`` as the most recent of at most ``most``."""
+    addresses.pop(address, None)
+    if len(addresses) >= most:
+        addresses.pop(next(iter(addresses)))
+    addresses[address] = None
+
+
+def basic_auth_headers(user: str, password: str) -> Tuple[bytes, ...]:
+    """The ``Authorization`` values that carry these credentials: UTF-8, as RFC 7617 says and
+    curl, browsers and Prometheus send, and Latin-1 where that differs and exists (Python's
+    requests encodes text credentials so)."""
+    out: List[bytes] = []
+    for codec in ("utf-8", "latin-1"):
+        try:
+            header = b"Basic " + base64.b64encode(f"{user}:{password}".encode(codec))
+        except UnicodeEncodeError:
+            continue
+        if header not in out:
+            out.append(header)
+    return tuple(out)
 
 
 def _scraper_gives_up(timeout_header: Optional[str]) -> float:
@@ -506,15 +585,15 @@ class MetricsServer:
                  on_scrape: Callable[[object], None] = lambda token: None,
                  on_scrape_start: Callable[[str], object] = lambda peer: None,
                  pages: Optional[Dict[str, Page]] = None,
-                 host_ok: Callable[[str], bool] = lambda host: True) -> None:
-        auth = None
-        if basic_auth is not None:
-            auth = b"Basic " + base64.b64encode(f"{basic_auth[0]}:{basic_auth[1]}".encode())
+                 host_ok: Callable[[str], bool] = lambda host: True,
+                 on_render_error: Callable[[BaseException], None] = lambda exc: None) -> None:
+        auth = basic_auth_headers(*basic_auth) if basic_auth is not None else ()
         index = b"gradmon: metrics at " + path.encode() + b"\n"
         served = {"/": Page(lambda query: index, auth=True), "/healthz": Page(lambda query: b"ok\n", auth=False)}
         served.update(pages or {})
         served.pop(path, None)  # the metrics path is never a page
-        site = _Site(path, render, auth, on_scrape_start, on_scrape, served, host_ok)
+        site = _Site(path, render, auth, on_scrape_start, on_scrape, served, host_ok,
+                     on_render_error=on_render_error)
         self._httpd = _Server((addr, port), site, tls, connection_timeout, connection_cap(max_connections))
         self.addr = addr
         self.port = self._httpd.server_address[1]

@@ -17,7 +17,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Deque, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import (Callable, Deque, Dict, FrozenSet, Hashable, Iterator, List, Mapping, Optional, Sequence,
+                    Set, Tuple)
 
 from . import metrics as M
 from .history import History
@@ -688,6 +689,54 @@ def _largest(values: Sequence[Optional[float]]) -> Optional[int]:
         if x is not None and x == x and (best is None or x > values[best]):  # type: ignore[operator]
             best = i
     return best
+
+
+class CarriedCounters:
+    """Counters of detached monitors by (model name, labels), for a monitor attached again
+    under the same name and labels to continue: a counter back at 0 under the same labels
+    reads to rate() as a reset, and what it counted before is lost from increase().
+
+    At most ``most`` are kept, the least recently stored dropped first, so that a process
+    attaching thousands of differently labelled models (a sweep) does not keep every
+    one's per-layer counters. A dropped key's series end: it is remembered (its hash, a
+    few dozen bytes) as ended, and ``attach()`` gives a later monitor another name rather
+    than start those series again from 0."""
+
+    def __init__(self, most: int = 64) -> None:
+        self.most = most
+        self._lock = threading.Lock()
+        self._kept: Dict[Hashable, object] = {}  # insertion order: the oldest first
+        self._ended: Set[int] = set()
+
+    def __setitem__(self, key: Hashable, counters: object) -> None:
+        with self._lock:
+            self._kept.pop(key, None)
+            while len(self._kept) >= self.most:
+                oldest = next(iter(self._kept))
+                del self._kept[oldest]
+                self._ended.add(hash(oldest))
+            self._kept[key] = counters
+
+    def get(self, key: Hashable) -> Optional[object]:
+        with self._lock:
+            return self._kept.get(key)
+
+    def pop(self, key: Hashable, default: Optional[object] = None) -> Optional[object]:
+        with self._lock:
+            return self._kept.pop(key, default)
+
+    def ended(self, key: Hashable) -> bool:
+        """Whether ``key``'s counters were dropped: its series must not start again."""
+        with self._lock:
+            return key not in self._kept and hash(key) in self._ended
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+            self._ended.clear()
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 _STOP = object()
