@@ -603,6 +603,8 @@ def _train(args: argparse.Namespace, faults: Sequence[Fault], console: Console, 
                                                  ("detail_every", args.detail_every), ("name", args.name))
                                if v is not None}
     options["on_nonfinite"] = incidents.append
+    options["announce"] = False  # the demo says where everything is, and more
+    options["keep_serving"] = args.hold > 0  # --hold: the ended run stays served, as finished
     if config.is_disabled():
         console.say(f"monitoring is disabled: {config.env_var('disable')}={os.environ[config.env_var('disable')]} "
                     "is set in the environment, so gradmon attaches nothing and serves no metrics "
@@ -682,6 +684,7 @@ def _train(args: argparse.Namespace, faults: Sequence[Fault], console: Console, 
         pass
     finally:
         monitor.flush()  # every step's incident reaches the summary
+    monitor.detach()  # finished; with keep_serving the page and /metrics stay up until the process exits
     report = Report(step, disabled=monitor.state == "disabled", nonfinite_steps=monitor.snapshot().nonfinite_steps,
                     incidents=[(i.step, i.grad_layer, i.activation_layer) for i in incidents],
                     explosions=watch.found, rank=rank, url=served,
@@ -694,10 +697,11 @@ def _train(args: argparse.Namespace, faults: Sequence[Fault], console: Console, 
         console.say(report.text())
         if served is not None and monitor.config.ui:
             console.say(_after(args, served))
-    try:
-        _hold(monitor, args.hold, stop)
-    finally:
-        monitor.detach()
+    if args.hold > 0 and served is not None:
+        try:
+            stop.wait(args.hold)
+        except KeyboardInterrupt:
+            pass  # the hold's own way out, as its line says
     return report
 
 
@@ -705,12 +709,3 @@ def _progress(step: int, loss: torch.Tensor, snap: Any, steps: int, elapsed: flo
     norm = f"{snap.global_norm:.4g}" if snap.global_norm is not None else "-"
     left = f"  (~{_duration(elapsed / step * (steps - step))} left)" if steps and step < steps else ""
     return f"step {step:6d}  loss {loss.item():.4f}  grad_global_norm {norm}{left}"
-
-
-def _hold(monitor: Any, seconds: float, stop: threading.Event) -> None:
-    """--hold: the run is over, so its state says ``finished`` (no stall alert, the page
-    says so), while /metrics and the live page stay up for ``seconds``."""
-    if seconds <= 0 or monitor.state != "running":
-        return
-    monitor._set_run_state(M.STATE_FINISHED)
-    stop.wait(seconds)
