@@ -11,6 +11,11 @@ the failures gradmon exists to catch:
 * ``explode``: the layer's parameter gradients multiplied by 1e4 from that step on (the loop
   clips at 1.0, so the weights survive; the pre-clip norm shows the explosion).
 * ``vanish``: the layer's parameter gradients multiplied by 1e-7 from that step on.
+
+What gradmon saw is logged as it happens and summarised at the end: each non-finite
+incident where it started, each gradient explosion (:class:`ExplosionWatch`) from its onset
+step with the layer furthest above its own baseline and, with ``--ranks``, one line a rank
+and the rank whose own gradient (before the all-reduce) held the fault.
 """
 
 from __future__ import annotations
