@@ -142,6 +142,7 @@ class Teacher:
 
 
 DEFAULT_STEPS = 1000  # about a minute at the default --step-delay, compute included
+DEFAULT_PORT = 9400  # gradmon's, and the one deploy/'s Prometheus scrapes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,8 +239,8 @@ def _next_steps(url: str, port: int, asked: Optional[int], out) -> None:
     and, for another demo, the port the user asked for."""
     where, gradmon = _deploy_dir(), gradmon_command()
     same_port = f" --port {asked}" if asked else ""
-    compose = ("scraping port 9400" if port == DEFAULT_PORT else
-               f"it scrapes port 9400: this demo serves {port}, so run it with --port 9400")
+    compose = (f"scraping port {DEFAULT_PORT}" if port == DEFAULT_PORT else
+               f"it scrapes port {DEFAULT_PORT}: this demo serves {port}, so run it with --port {DEFAULT_PORT}")
     for what, how in (
             ("watch it", f"open {_page(url)} in a browser (the live page, unless GRADMON_UI=0), "
                          f"or run: {gradmon} top {url}"),
@@ -253,9 +254,6 @@ def _next_steps(url: str, port: int, asked: Optional[int], out) -> None:
                           f"(Prometheus, Alertmanager, Grafana on :3000; {compose})"),
             ("stop", "Ctrl-C")):
         print(f"  {what + ':':17s}{how}", file=out)
-
-
-DEFAULT_PORT = 9400
 
 
 def _duration(seconds: float) -> str:

@@ -156,6 +156,19 @@ def test_an_explicit_port_that_is_taken_is_an_error_naming_it():
     assert "Traceback" not in r.stdout + r.stderr
 
 
+def test_a_taken_port_of_the_ranks_range_is_an_error_before_any_rank_starts():
+    from servers import free_port_range
+    port = free_port_range(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))  # rank 1's
+        taken.listen()
+        r = run_demo("--ranks", "2", "--port", str(port), "--steps", "5")
+    assert r.returncode == 1
+    assert (f"port {port + 1} is in use; the ranks serve on {port}..{port + 1} (port + rank, port from "
+            f"--port {port}): choose another base with --port") in r.stdout
+    assert "metrics at" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
 def test_a_taken_default_port_moves_and_every_hint_uses_the_port_served():
     held = socket.socket()
     try:
