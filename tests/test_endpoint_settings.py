@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -246,3 +248,42 @@ def test_a_failed_attach_on_a_shared_port_keeps_the_other_monitor_and_leaves_no_
         again.detach()
     finally:
         first.detach()
+
+
+# -- who can delay the end of a run ------------------------------------------------------------
+
+def _scrape_with(url: str, headers: dict) -> int:
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def _detach_seconds(mon) -> float:
+    t0 = time.monotonic()
+    mon.detach()
+    return time.monotonic() - t0
+
+
+AUTH = {"Authorization": "Basic " + base64.b64encode(b"prom:s3cret").decode()}
+
+
+def test_with_basic_auth_a_client_that_fails_to_authenticate_never_delays_the_end_of_a_run():
+    mon = gradmon.attach(model(), port=0, addr="127.0.0.1", final_scrape_timeout=20,
+                         basic_auth_user="prom", basic_auth_password="s3cret")
+    for _ in range(3):  # "periodic", but never authenticated
+        assert _scrape_with(mon.url, {}) == 401
+        time.sleep(0.2)
+    assert _detach_seconds(mon) < 2
+
+
+def test_with_basic_auth_an_authenticated_periodic_scraper_is_waited_for():
+    mon = gradmon.attach(model(), port=0, addr="127.0.0.1", final_scrape_timeout=3,
+                         basic_auth_user="prom", basic_auth_password="s3cret")
+    for _ in range(3):
+        assert _scrape_with(mon.url, AUTH) == 200
+        time.sleep(0.2)
+    assert _detach_seconds(mon) >= 2.5  # nobody scraped the final state: the whole timeout

@@ -702,3 +702,69 @@ def test_a_slowloris_flood_leaves_scrapes_and_the_training_jobs_files_alone():
     assert len(fast) >= 99, failures
     assert after["threads"] <= base["threads"] + 2 and after["fds"] <= base["fds"] + 2
     assert attack.dropped > 300, "the attack never met the connection cap"
+
+
+# -- guessing passwords, and many source addresses -----------------------------------------------
+# Every 127.x.y.z is loopback on Linux: one local process can speak from thousands of addresses.
+
+def get_from(source: str, port: int, path: str = "/metrics", **headers: str) -> int:
+    """The status of a GET sent from the loopback address ``source``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5, source_address=(source, 0))
+    try:
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
+
+
+def basic(user: str, password: str, codec: str = "utf-8") -> Dict[str, str]:
+    import base64
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode(codec)).decode()}
+
+
+def test_a_non_ascii_password_works_in_utf8_as_rfc_7617_says_and_in_latin1(serve):
+    server = serve(basic_auth=("prom", "pässwörd"))
+    assert get_from("127.0.0.1", server.port, **basic("prom", "pässwörd")) == 200
+    assert get_from("127.0.0.2", server.port, **basic("prom", "pässwörd", "latin-1")) == 200  # Python's requests
+    refused = get(server.port)
+    assert refused.status == 401 and 'charset="UTF-8"' in refused.getheader("WWW-Authenticate")
+
+
+def test_failed_authentications_are_throttled_per_client_and_a_throttled_guess_is_not_even_compared(serve):
+    server = serve(basic_auth=("prom", "s3cret"))
+    wrong = basic("prom", "guess")
+    burst = server_module.AUTH_FAILURES[1]
+    assert [get_from("127.0.0.5", server.port, **wrong) for _ in range(burst)] == [401] * burst
+    assert get_from("127.0.0.5", server.port, **wrong) == 429
+    assert get_from("127.0.0.5", server.port, **basic("prom", "s3cret")) == 429  # right, but not looked at
+    assert get_from("127.0.0.6", server.port, **basic("prom", "s3cret")) == 200  # another client is not
+    time.sleep(1.2 / server_module.AUTH_FAILURES[0])  # one failure a second comes back
+    assert get_from("127.0.0.5", server.port, **basic("prom", "s3cret")) == 200
+
+
+def test_guesses_from_many_addresses_are_capped_together_and_never_lock_out_a_scraper_that_authenticated(serve):
+    server = serve(basic_auth=("prom", "s3cret"))
+    assert get_from("127.0.0.1", server.port, **basic("prom", "s3cret")) == 200  # Prometheus, before the attack
+    t0 = time.monotonic()
+    codes = [get_from(f"127.0.{i // 250}.{i % 250 + 2}", server.port, **basic("prom", f"guess{i}"))
+             for i in range(120)]  # one guess per address: no address is over its own rate
+    rate, burst = server_module.AUTH_FAILURES_OVERALL
+    assert codes.count(401) <= burst + rate * (time.monotonic() - t0) + 1
+    assert codes[-20:].count(429) >= 10
+    assert get_from("127.0.0.1", server.port, **basic("prom", "s3cret")) == 200
+
+
+def test_many_source_addresses_cannot_multiply_the_live_pages_rate(serve):
+    from gradmon.server import UI_OVERALL, Page
+    pages = {"/api/history": Page(lambda query: b"{}", auth=False, ctype="application/json", ui=True)}
+    server = serve(pages=pages)
+    t0 = time.monotonic()
+    codes = [get_from(f"127.0.{i // 250}.{i % 250 + 2}", server.port, "/api/history") for i in range(150)]
+    elapsed = time.monotonic() - t0
+    rate, burst = UI_OVERALL
+    assert codes.count(200) <= burst + rate * elapsed + 1
+    assert codes.count(200) >= burst  # each address alone was within its own burst
+    assert 429 in codes
+    assert get_from("127.0.0.1", server.port) == 200  # the scrapes are never limited
