@@ -86,9 +86,13 @@ class History:
             steps = self._steps[order]
             scalars = self._scalars[order]
             every = max(1, math.ceil(n / MAX_COLUMNS))
-            columns = order[torch.arange(first, self.count) % every == 0]
+            positions = torch.arange(first, self.count)
+            columns = order[positions % every == 0]
             heat = self._norms[columns]
             column_steps = self._steps[columns]
+            bad = torch.isinf(self._norms[order]) if every > 1 else None
+        if bad is not None:
+            heat = _with_stride_nonfinite(heat, bad, positions, every)
         out: Dict[str, Any] = {"capacity": self.capacity, "steps": steps.tolist()}
         for j, name in enumerate(_SCALARS):
             out[name] = _numbers(scalars[:, j], "{:.5g}")
@@ -100,6 +104,17 @@ class History:
         out["heatmap"] = {"every": every, "rows": self.rows, "steps": column_steps.tolist(),
                           "log10": [_cells(torch.log10(col)) for col in heat]}
         return out
+
+
+def _with_stride_nonfinite(heat: torch.Tensor, bad: torch.Tensor, positions: torch.Tensor,
+                            every: int) -> torch.Tensor:
+    """A decimated column stands for the ``every`` steps from it: a layer's NaN/Inf norm on
+    any of them shows in the column (+Inf), not only on the step the column samples."""
+    group = positions // every - (positions[0] + every - 1) // every  # the column each step falls in
+    keep = group >= 0  # the steps before the first column belong to a column cut from the window
+    hits = torch.zeros(heat.shape, dtype=torch.int64)
+    hits.index_add_(0, group[keep], bad[keep].to(torch.int64))
+    return heat.masked_fill(hits > 0, math.inf)
 
 
 def _after(window: Dict[str, Any], since: Optional[int]) -> Dict[str, Any]:

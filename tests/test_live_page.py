@@ -357,3 +357,14 @@ def test_a_page_left_open_while_the_heatmap_columns_are_spaced_anew_keeps_each_s
         assert browser.evaluate("document.body.dataset.kept") == str(H.MAX_COLUMNS + 50)
     finally:
         browser.close()
+
+
+def test_a_nonfinite_norm_on_a_step_between_decimated_columns_still_shows_in_its_column():
+    hist = H.History(["a", "b"], 2000)
+    for step in range(1, 1201):  # 1,200 steps: every third step is a column
+        hist.record(step, 1.0, 1.0, 0.1, step == 701, {0: math.nan if step == 701 else 1.0, 1: 1.0})
+    heat = hist.document()["heatmap"]
+    assert heat["every"] == 3 and 701 not in heat["steps"]
+    column = max(i for i, s in enumerate(heat["steps"]) if s < 701)  # the column whose stride holds step 701
+    assert heat["log10"][column] == [H.NONFINITE, 0.0]
+    assert sum(col[0] == H.NONFINITE for col in heat["log10"]) == 1 and all(col[1] == 0.0 for col in heat["log10"])
