@@ -22,7 +22,8 @@ LayerType = Union[str, type]
 
 @dataclass(frozen=True)
 class Config:
-    """Everything ``attach()`` can be told. Each field has a ``GRADMON_<FIELD>`` override."""
+    """Everything ``attach()`` can be told. Each field that is a value has a ``GRADMON_<FIELD>``
+    override; ``registry``, ``on_nonfinite`` and ``scaler`` are objects only code can give."""
 
     port: int = 9400
     """TCP port of the /metrics endpoint; 0 picks a free one (see ``Monitor.port``).
@@ -187,7 +188,9 @@ class Config:
 
     name: Optional[str] = None
     """Value of the ``model`` label; defaults to the model's class name in lower case
-    (made unique within the process when several models are monitored)."""
+    (made unique within the process, ``NAME-2``, when several models are monitored, or
+    when the counters of an earlier monitor of that name and labels were dropped: at most
+    64 detached monitors' counters are carried, and a dropped one's series end)."""
 
     registry: Any = None
     """An existing ``prometheus_client.CollectorRegistry`` to register into instead of

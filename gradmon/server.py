@@ -19,7 +19,10 @@ one slow client holds a thread forever. Here:
   headers, so a scraper always gets in; paths other than the metrics path share a
   quarter of the connections, so no page can crowd out scrapes;
 * HTTP basic auth compared with ``hmac.compare_digest`` (constant time); a wrong or
-  missing credential gets 401 and not a byte of the exposition;
+  missing credential gets 401 and not a byte of the exposition. Failed attempts are
+  throttled per client address and, for addresses that never authenticated, all together
+  (:data:`AUTH_FAILURES`): every 127.x.y.z is loopback, so a local client has thousands of
+  addresses; the live page likewise has a rate per client and one over all (:data:`UI_OVERALL`);
 * the exposition is rendered once per new snapshot (``CachedExposition``), not once per
   scrape: twenty dashboards scraping at 1 Hz cost one render per training step at most;
 * a forked child (a DataLoader worker) closes its copies of the sockets at once: the
@@ -222,6 +225,26 @@ class _Buckets:
             return allowed
 
 
+class _Recent:
+    """The ``most`` client addresses added last; connection threads add and ask at once."""
+
+    def __init__(self, most: int = 64) -> None:
+        self.most = most
+        self._lock = threading.Lock()
+        self._seen: Dict[str, None] = {}  # insertion order: the oldest first
+
+    def add(self, address: str) -> None:
+        with self._lock:
+            self._seen.pop(address, None)
+            if len(self._seen) >= self.most:
+                self._seen.pop(next(iter(self._seen)))
+            self._seen[address] = None
+
+    def __contains__(self, address: object) -> bool:
+        with self._lock:
+            return address in self._seen
+
+
 @dataclass
 class _Site:
     """What is served: the metrics path and the few pages beside it."""
@@ -237,7 +260,7 @@ class _Site:
     auth_failures: _Buckets = field(default_factory=lambda: _Buckets(*AUTH_FAILURES, overall=AUTH_FAILURES_OVERALL))
     # addresses that authenticated: only their own failures limit them, so that guesses from
     # many other addresses cannot lock a scraper out
-    authenticated: Dict[str, None] = field(default_factory=dict)
+    authenticated: _Recent = field(default_factory=_Recent)
     on_render_error: Callable[[BaseException], None] = lambda exc: None
 
 
@@ -505,7 +528,7 @@ class _Handler(BaseHTTPRequestHandler):
         # http.server decodes headers as Latin-1: encoding back gives the bytes sent
         sent = self.headers.get("Authorization", "").encode("latin-1", "replace")
         if any([hmac.compare_digest(sent, accepted) for accepted in site.auth]):  # all compared: constant time
-            _remember(site.authenticated, peer)
+            site.authenticated.add(peer)
             return True
         site.auth_failures.take(peer, alone=peer in site.authenticated)
         self._send(401, b"unauthorized\n", headers=(("WWW-Authenticate", 'Basic realm="gradmon", charset="UTF-8"'),))
@@ -534,14 +557,6 @@ class _Handler(BaseHTTPRequestHandler):
         # Prometheus whose scrape_timeout passed drops what it gets and never sees the state)
         if scrape and time.monotonic() < gives_up:
             site.on_scrape(token)
-
-
-def _remember(addresses: Dict[str, None], address: str, most: int = 64) -> None:
-    """Add ``address`` as the most recent of at most ``most``."""
-    addresses.pop(address, None)
-    if len(addresses) >= most:
-        addresses.pop(next(iter(addresses)))
-    addresses[address] = None
 
 
 def basic_auth_headers(user: str, password: str) -> Tuple[bytes, ...]:
