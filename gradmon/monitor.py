@@ -22,7 +22,7 @@ from . import config as _config
 from . import exporter
 from . import metrics as M
 from . import run_end, sharded
-from .config import Config, utf8_text
+from .config import Config
 from .errors import ErrorLog
 from .hooks import HookSet, Recorder
 from .identity import RankInfo, data_parallel_rank, detect
@@ -522,7 +522,7 @@ def attach(model: nn.Module, **options: Any) -> Monitor:
             raise ValueError(
                 f"gradmon.attach(): this model is already monitored as {existing.name!r} with "
                 "different options; call detach() on that handle before attaching again")
-        name = _unique_name(cfg.name or utf8_text(type(inner).__name__.lower()),
+        name = _unique_name(cfg.name or type(inner).__name__.lower(),
                             lambda n: _CARRIED.ended((n, tuple(sorted(_series_labels(n, rank, cfg).items())))))
         mon = Monitor(cfg, name, rank)
         _NAMES_IN_USE[name] = mon
