@@ -114,7 +114,8 @@ class Monitor:
 
     def step(self, global_step: Optional[int] = None) -> None:
         """Close a training step by hand (loops without torch.optim), or, right after an
-        optimizer step, set the training's own global step number (e.g. after resuming)."""
+        optimizer step, set the training's own global step number (e.g. after resuming).
+        ``global_step`` is an integer (numpy's too); anything else is a TypeError here."""
         _check_step_number(global_step)
         if self._recorder is not None:
             self._recorder.manual_step(None if global_step is None else operator.index(global_step))

@@ -287,3 +287,15 @@ def test_with_basic_auth_an_authenticated_periodic_scraper_is_waited_for():
         assert _scrape_with(mon.url, AUTH) == 200
         time.sleep(0.2)
     assert _detach_seconds(mon) >= 2.5  # nobody scraped the final state: the whole timeout
+
+
+def test_a_non_ascii_password_from_the_environment_works_with_utf8_credentials(monkeypatch):
+    monkeypatch.setenv("GRADMON_BASIC_AUTH_USER", "prom")
+    monkeypatch.setenv("GRADMON_BASIC_AUTH_PASSWORD", "pässwörd-密码")
+    mon = gradmon.attach(model(), port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    try:
+        utf8 = {"Authorization": "Basic " + base64.b64encode("prom:pässwörd-密码".encode()).decode()}
+        assert _scrape_with(mon.url, utf8) == 200
+        assert _scrape_with(mon.url, AUTH) == 401
+    finally:
+        mon.detach()
