@@ -411,9 +411,8 @@ class Recorder:
     def _measurable(self, t: torch.Tensor, at: str, key: int) -> Optional[torch.Tensor]:
         """``measurable(t)``, saying once per kind of tensor what is skipped."""
         out, what = measurable(t)
-        kind = what.split(" placed")[0]
-        if out is None and kind not in self._unmeasured:
-            self._unmeasured.add(kind)
+        if out is None and what not in self._unmeasured:
+            self._unmeasured.add(what)
             where = (f"the value of top-level block #{key} (#0: the model's input)" if at == S.BLOCK else
                      ("the gradient of the output" if at == S.OUTPUT_GRAD else "the output")
                      + f" of layer {self._layer_names[key]!r}")
