@@ -257,3 +257,10 @@ def test_a_page_in_time_fires_by_one_scrape_and_one_evaluation_after_the_diverge
     # divergence at step 150: 1500 s; deadline 1530 s = evaluation 102
     assert _scored(labeler.DIVERGING, "." * 102 + "p", divergence=150).paged_in_time
     assert not _scored(labeler.DIVERGING, "." * 103 + "p", divergence=150).paged_in_time
+
+
+def test_the_docs_section_is_replaced_between_its_markers_and_nothing_else(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# head\n{score.BEGIN}\nold table\n{score.END}\ntail\n")
+    score.write_docs(doc, "new table")
+    assert doc.read_text() == f"# head\n{score.BEGIN}\nnew table\n{score.END}\ntail\n"

@@ -1,7 +1,7 @@
 """Score the shipped alert rules on the corpus (issue 22): per run and per split, at 1, 10 and 60 s
 per step with a 15 s scrape.
 
-    python bench/instability/score.py                      # both splits: the docs' table (markdown)
+    python bench/instability/score.py --docs               # both splits; rewrites the docs' table
     python bench/instability/score.py --split tune         # tune only (not logged)
     python bench/instability/score.py --runs gru-healthy-warmup-s0 --rates 10
 
@@ -252,14 +252,15 @@ def run_table(scores: Sequence[RunScore]) -> str:
     def cell(v: Optional[int]) -> str:
         return "-" if v is None else str(v)
 
-    rows = ["| run | split | label | s/step | divergence | first warning | first page | page lead | "
-            "early-warning lead | warning edges | warning firing | pages | warnings fired | pages fired |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    rows = ["| run | split | label | s/step | divergence | first warning | warning lead | first page | page lead | "
+            "early-warning lead | warning edges | warning firing | page edges | page firing | warnings | pages |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for s in scores:
         rows.append(f"| {s.name} | {s.split} | {s.kind} | {s.rate:g} | {cell(s.divergence)} | "
-                    f"{cell(s.first('warning'))} | {cell(s.first('critical'))} | {cell(s.lead('critical'))} | "
-                    f"{cell(s.early_warning_lead)} | {len(s.edges('warning'))} | "
-                    f"{100 * s.firing_fraction('warning'):.0f} % | {len(s.edges('critical'))} | "
+                    f"{cell(s.first('warning'))} | {cell(s.lead('warning'))} | "
+                    f"{cell(s.first('critical'))} | {cell(s.lead('critical'))} | {cell(s.early_warning_lead)} | "
+                    f"{len(s.edges('warning'))} | {100 * s.firing_fraction('warning'):.0f} % | "
+                    f"{len(s.edges('critical'))} | {100 * s.firing_fraction('critical'):.0f} % | "
                     f"{', '.join(n[len('Gradmon'):] for n in s.names('warning')) or '-'} | "
                     f"{', '.join(n[len('Gradmon'):] for n in s.names('critical')) or '-'} |")
     return "\n".join(rows)
@@ -348,6 +349,8 @@ def main() -> None:
     p.add_argument("--rates", nargs="*", type=float, default=list(RATES), help="seconds per step")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs scored at once (default: CPUs)")
     p.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
+    p.add_argument("--docs", type=Path, nargs="?", const=ROOT / "docs" / "alert-evaluation.md",
+                   help="also write the report into this file's generated section (default: docs/alert-evaluation.md)")
     a = p.parse_args()
     binary = replay.promtool()
     if binary is None:
@@ -358,14 +361,35 @@ def main() -> None:
     t0 = time.monotonic()
     scores = score(names, a.rates, binary, a.jobs, progress=not a.quiet)
     log_test_scoring(scores, a.rates)
+    text = report(scores, splits, a.rates, len(names), time.monotonic() - t0)
+    print(text)
+    if a.docs is not None:
+        write_docs(a.docs, text)
+
+
+def report(scores: Sequence[RunScore], splits: Sequence[str], rates: Sequence[float], runs: int,
+           seconds: float) -> str:
+    """The summary table, the per-run table and every miss and false page (markdown)."""
     by_split = {split: [s for s in scores if s.split == split] for split in splits}
-    print(f"Scored at commit {commit()}: {len(names)} runs, rates {', '.join(f'{r:g}' for r in a.rates)} s/step, "
-          f"{time.monotonic() - t0:.0f} s.\n")
-    print(summary_table(by_split, a.rates))
-    print("\n" + run_table(sorted(scores, key=lambda s: (s.split, s.name, s.rate))))
-    print("\nMisses and false pages:\n")
-    print("\n".join(f"- {line}" for line in failures(sorted(scores, key=lambda s: (s.split, s.name, s.rate))))
-          or "- none")
+    ordered = sorted(scores, key=lambda s: (s.split, s.name, s.rate))
+    return "\n".join([
+        f"Scored at commit `{commit()}` on {time.strftime('%Y-%m-%d', time.gmtime())}: {runs} runs, "
+        f"{', '.join(f'{r:g}' for r in rates)} s per step, 15 s scrape, {seconds:.0f} s.", "",
+        summary_table(by_split, rates), "", "### Misses and false pages", "",
+        "\n".join(f"- {line}" for line in failures(ordered)) or "- none", "", "### Every run", "",
+        run_table(ordered)])
+
+
+BEGIN, END = "<!-- score.py:begin -->", "<!-- score.py:end -->"
+
+
+def write_docs(path: Path, text: str) -> None:
+    """Replace what lies between the markers in ``path`` (the docs' generated section)."""
+    doc = path.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} section")
+    head, rest = doc.split(BEGIN, 1)
+    path.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":
