@@ -43,11 +43,11 @@ def _collect(registry: CollectorRegistry, wanted: Callable[[str], bool]) -> Dict
             if s.name not in DROPPED and wanted(s.name)}
 
 
-def _forget_carried(model: str) -> None:
-    """gradmon continues the counters of a detached monitor of the same model name in one process
-    (a real job's re-attach); one process replays many runs, each of which was a process of its own."""
-    for key in [k for k in _monitor._CARRIED if k[0] == model]:
-        del _monitor._CARRIED[key]
+def forget_carried(monitor: gradmon.Monitor) -> None:
+    """Drop what a detached monitor left for a later attach of its name to continue (gradmon's
+    re-attach within one process): each recorded run was a process of its own, and one process
+    replays many runs."""
+    _monitor._CARRIED.pop(monitor._carry_key(), None)
 
 
 class Packets:
@@ -88,7 +88,6 @@ def replay_recording(rec: Dict[str, np.ndarray], run: corpus.Run, wanted: Callab
     options = dict(meta["options"])
     scaler = torch.amp.GradScaler("cpu") if options.pop("scaler") else None
     registry = CollectorRegistry()
-    _forget_carried(options["name"])  # the recorded run was a fresh process: it continued no counter
     monitor = gradmon.attach(corpus.build(run), registry=registry, scaler=scaler, **options)
     try:
         if list(monitor.layers) != meta["layers"]:
@@ -109,6 +108,6 @@ def replay_recording(rec: Dict[str, np.ndarray], run: corpus.Run, wanted: Callab
                                f"{monitor._errors.counts()}")
     finally:
         monitor.detach()
-        _forget_carried(options["name"])  # nor may this replay's counters carry into the next
+        forget_carried(monitor)
     keys = sorted({k for s in scrapes for k in s})
     return {k: [s.get(k) for s in scrapes] for k in keys}

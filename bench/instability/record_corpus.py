@@ -37,6 +37,7 @@ from gradmon.snapshot import StepPacket
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
 import corpus_files as files  # noqa: E402
+import inprocess  # noqa: E402
 
 
 def layout_of(packet: StepPacket) -> dict:
@@ -126,6 +127,7 @@ def record(run: corpus.Run, steps: Optional[int] = None, registry: Optional[Coll
     monitor.flush()
     layers = list(monitor.layers)
     monitor.detach()
+    inprocess.forget_carried(monitor)  # a run is a process of its own (a test records and replays in one)
     arrays = tap.arrays(losses)
     arrays["meta"] = np.asarray(json.dumps({
         "run": run.name, "options": {**options, "scaler": run.fp16}, "layers": layers,
