@@ -27,7 +27,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass, field, replace
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -355,7 +356,6 @@ def main() -> None:
     run = by_name()[a.run]
     if a.lr is not None:
         run = replace(run, lr=a.lr)
-    import time
     t0 = time.process_time()
     losses = train(run, steps=a.steps)
     print(curve(losses))

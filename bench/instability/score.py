@@ -292,11 +292,11 @@ def commit() -> str:
     return head + ("+uncommitted" if dirty else "")
 
 
-def log_test_scoring(scores: Sequence[RunScore], rates: Sequence[float]) -> None:
+def log_test_scoring(scores: Sequence[RunScore], rates: Sequence[float], at: str) -> None:
     test = [s for s in scores if s.split == "test"]
     if not test:
         return
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": at,
              "runs": sorted({s.name for s in test}),
              "summary": {f"{rate:g}": summary([s for s in test if s.rate == rate]) for rate in rates}}
     with files.TEST_LOG.open("a") as f:
@@ -359,21 +359,22 @@ def main() -> None:
     splits = ("tune", "test") if a.split == "both" else (a.split,)
     names = [n for n in sorted(manifest) if manifest[n]["split"] in splits and (not a.runs or n in a.runs)]
     t0 = time.monotonic()
+    at = commit()  # the code that scores is the code at the start
     scores = score(names, a.rates, binary, a.jobs, progress=not a.quiet)
-    log_test_scoring(scores, a.rates)
-    text = report(scores, splits, a.rates, len(names), time.monotonic() - t0)
+    log_test_scoring(scores, a.rates, at)
+    text = report(scores, splits, a.rates, len(names), time.monotonic() - t0, at)
     print(text)
     if a.docs is not None:
         write_docs(a.docs, text)
 
 
 def report(scores: Sequence[RunScore], splits: Sequence[str], rates: Sequence[float], runs: int,
-           seconds: float) -> str:
+           seconds: float, at: str) -> str:
     """The summary table, the per-run table and every miss and false page (markdown)."""
     by_split = {split: [s for s in scores if s.split == split] for split in splits}
     ordered = sorted(scores, key=lambda s: (s.split, s.name, s.rate))
     return "\n".join([
-        f"Scored at commit `{commit()}` on {time.strftime('%Y-%m-%d', time.gmtime())}: {runs} runs, "
+        f"Scored at commit `{at}` on {time.strftime('%Y-%m-%d', time.gmtime())}: {runs} runs, "
         f"{', '.join(f'{r:g}' for r in rates)} s per step, 15 s scrape, {seconds:.0f} s.", "",
         summary_table(by_split, rates), "", "### Misses and false pages", "",
         "\n".join(f"- {line}" for line in failures(ordered)) or "- none", "", "### Every run", "",
