@@ -78,6 +78,17 @@ class Config:
     """Optimizer steps the live page can show, kept in the process as float32 (at most
     16 MB: a model with many layers keeps fewer), only on ranks that export per-layer series."""
 
+    incident_dir: str = "./gradmon-incidents"
+    """Directory (created when first needed) where each rank writes an incident bundle at
+    the first non-finite step of a run of them: the last ``ui_history`` steps, the origin,
+    the batch's ids, RNG states and versions (docs/incidents.md). ``""`` turns it off.
+    Written by the publisher thread, never the training thread; a disk that refuses it
+    is logged once and counted, never raised."""
+
+    incident_max_bytes: int = 8 * 2 ** 20
+    """Bytes the incident bundles of one rank may take in all, per run: a bundle keeps
+    fewer history steps to fit, and at most a few incidents are written per run."""
+
     ui_hosts: Tuple[str, ...] = ()
     """Host names the live page answers to besides IP addresses, ``localhost`` and this
     machine's own names (a DNS-rebinding guard): e.g. the name of a proxy or a service."""
@@ -354,7 +365,7 @@ def _check_types(cfg: Config) -> None:
 
 # Paths may hold bytes that are not UTF-8 (a Linux file name is bytes); every other text
 # option ends up in an exposition, a header or a pass phrase, which are UTF-8.
-_PATH_OPTIONS = ("tls_certfile", "tls_keyfile", "tls_client_cafile")
+_PATH_OPTIONS = ("tls_certfile", "tls_keyfile", "tls_client_cafile", "incident_dir")
 
 
 def utf8_text(text: str) -> str:
@@ -432,6 +443,9 @@ def _validate(cfg: Config) -> None:
         _in_range(cfg, name, 1, math.inf, "a positive integer number of optimizer steps")
     _in_range(cfg, "optimizer_every", 0, math.inf, "a number of optimizer steps, 0 to turn the optimizer statistics off")
     _in_range(cfg, "ui_history", 10, 100_000, "a number of optimizer steps in 10..100000")
+    _in_range(cfg, "incident_max_bytes", 2 ** 16, 2 ** 40, "a number of bytes in 65536..2**40")
+    if "\0" in cfg.incident_dir:
+        _fail("incident_dir", "must be a directory path (it contains a NUL character)")
     if cfg.optimizer_sample != 0:
         _in_range(cfg, "optimizer_sample", 256, 2 ** 20, "0 (every element) or a number of elements in 256..1048576")
     for name in ("include", "exclude"):

@@ -30,6 +30,7 @@ from .layers import Layer, discover, has_trainable_parameters, is_ddp, top_block
 from . import statistics as S
 from .grouping import group_layers
 from .history import History
+from .incidents import recorder as incidents
 from .snapshot import Aggregator, CarriedCounters, Coverage, NonFiniteIncident, Publisher, Snapshot
 from .spikes import SpikeTracker
 
@@ -43,6 +44,9 @@ _HELD: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], "Monitor"] = {}  # keep_ser
 # Counters of detached monitors, by (model name, labels): a monitor attached again under
 # the same name continues them, so they never go backwards within a process.
 _CARRIED = CarriedCounters(most=64)
+
+
+_UNSET = object()  # observe() without loss=
 
 
 def _version() -> str:
@@ -83,6 +87,7 @@ class Monitor:
         self._reduced_per_layer = True
         self._per_layer = True
         self._history: Optional[History] = None
+        self._black_box: Optional[incidents.BlackBox] = None
         self._pid = os.getpid()
         self._overhead_before = 0.0  # carried from an earlier monitor of this name (exported only)
         self._overhead_at_detach = 0.0
@@ -120,16 +125,27 @@ class Monitor:
         if self._recorder is not None:
             self._recorder.manual_step(None if global_step is None else operator.index(global_step))
 
-    def observe(self, *, loss: Union[torch.Tensor, float]) -> None:
-        """Give gradmon this micro-batch's loss (call it before ``optimizer.step()``; once
-        per micro-batch under gradient accumulation). ``gradmon_loss`` is the mean of the
-        losses observed since the last optimizer step, on this rank; one observed with no
-        step yet goes into the next step. It is detached and added on its device, never
-        read by the training thread: it reaches the host in the step's one packet. Bad
-        input (a non-scalar tensor, a string) is counted in
-        ``gradmon_hook_errors_total{stage="observe"}``, never raised."""
+    def observe(self, *, loss: Union[torch.Tensor, float, object] = _UNSET,
+                batch: Union[torch.Tensor, Sequence[Union[int, str]], None] = None) -> None:
+        """Give gradmon this micro-batch's loss and/or its sample ids (call it before
+        ``optimizer.step()``; once per micro-batch under gradient accumulation).
+
+        ``gradmon_loss`` is the mean of the losses observed since the last optimizer step,
+        on this rank; one observed with no step yet goes into the next step. It is
+        detached and added on its device, never read by the training thread: it reaches
+        the host in the step's one packet. Bad input (a non-scalar tensor, a string) is
+        counted in ``gradmon_hook_errors_total{stage="observe"}``, never raised.
+
+        ``batch`` is the micro-batch's sample ids, row by row (a list or tuple of ints or
+        strings, or a 1-D integer tensor, copied on its device and read only at an
+        incident): an incident bundle names the ids of the rows that went non-finite.
+        Anything else is a TypeError here, like a wrong ``step()`` number."""
+        if batch is not None:
+            ids = incidents.check_batch_ids(batch)
+            if self._recorder is not None and self._black_box is not None:
+                self._publish(incidents.BatchIds(ids))
         recorder = self._recorder
-        if recorder is not None:
+        if recorder is not None and loss is not _UNSET:
             recorder.observe_loss(loss)
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -338,6 +354,7 @@ class Monitor:
                                 windows={g.baseline: getattr(cfg, g.baseline)
                                          for st in statistics for g in st.gauges if g.baseline},
                                 history=self._history)
+        aggregator.black_box = self._black_box = _black_box(cfg, self, layers, aggregator.block_names, recorder, inner)
         carried = _CARRIED.get(self._carry_key())
         if carried is not None:
             counters, errors, overhead = carried
@@ -372,7 +389,11 @@ class Monitor:
                       "(set GRADMON_PORT or port=0)", self.name, self.error)
 
     def _on_incident(self, incident: NonFiniteIncident, starts: bool) -> None:
-        """Publisher thread: one log line per run of non-finite steps, and the user's callback."""
+        """Publisher thread: the incident bundle (written inside the fold, so before any
+        snapshot shows the incident), one log line per run of non-finite steps, and the
+        user's callback."""
+        if starts and self._black_box is not None:
+            self._black_box.write(incident)
         if starts or self.config.log_every_incident:
             log.warning("gradmon[%s]: non-finite values on rank %d at step %d: started at step %s in %s, "
                         "gradient first in layer %s, activation first in layer %s",
@@ -399,6 +420,20 @@ class Monitor:
             info={"version": _version(), "torch_version": torch.__version__,
                   "world_size": str(self.rank.world_size)},
             reduced_per_layer=self._reduced_per_layer, per_layer=self._per_layer, history=self._history)
+
+
+def _black_box(cfg: Config, mon: Monitor, layers: Sequence[Layer], blocks: Sequence[str],
+               recorder: Recorder, inner: nn.Module) -> Optional[incidents.BlackBox]:
+    """The incident recorder, unless ``incident_dir`` is ``""``."""
+    if not cfg.incident_dir:
+        return None
+    device = next((p.device for p in inner.parameters()), torch.device("cpu"))
+    facts = incidents.RunFacts(
+        model=mon.name, rank=mon.rank.rank, world_size=mon.rank.world_size,
+        layers=tuple(layer.name for layer in layers),
+        blocks=tuple(blocks), param_layer=tuple(recorder.param_layer), device=incidents.device_name(device),
+        options=incidents.options_of(cfg))
+    return incidents.BlackBox(cfg.incident_dir, cfg.incident_max_bytes, cfg.ui_history, facts, mon._errors)
 
 
 def _series_labels(name: str, rank: RankInfo, cfg: Config) -> Dict[str, str]:

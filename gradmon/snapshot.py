@@ -22,6 +22,7 @@ from typing import (Callable, Deque, Dict, FrozenSet, Hashable, Iterator, List, 
 
 from . import metrics as M
 from .history import History
+from .incidents.recorder import BatchIds, BlackBox
 from . import statistics as S
 from .errors import ErrorLog
 from .spikes import SpikeTracker
@@ -335,6 +336,7 @@ class Aggregator:
         self.loss: Optional[float] = None
         self.loss_running_min: Optional[float] = None
         self.history = history  # the live page's ring buffers, filled step by step here
+        self.black_box: Optional[BlackBox] = None  # the incident bundles' steps, kept here; set by attach
         self._named: Dict[LayerGauge, int] = {}  # the layer each worst-layer gauge names now
         self._step_loss: Optional[float] = None
         self.spikes = spikes if spikes is not None else SpikeTracker(
@@ -384,6 +386,8 @@ class Aggregator:
 
     def fold(self, packet: StepPacket) -> None:
         values: List[float] = packet.data.tolist() if packet.data is not None else []
+        if self.black_box is not None:
+            self.black_box.keep(packet)  # never raises: a bundle's trouble must not cost a step's count
         skipped = packet.skipped or _fused_skip(values, packet)
         # Count the step before parsing anything else: a packet that fails to parse must
         # still be a step, or rate(gradmon_steps_total) would lie.
@@ -835,6 +839,10 @@ class Publisher:
         try:
             if isinstance(item, GlobalStepUpdate):
                 self._agg.relabel(item.global_step, item.skipped)
+                return
+            if isinstance(item, BatchIds):
+                if self._agg.black_box is not None:
+                    self._agg.black_box.batch(item.ids)
                 return
             event = getattr(item, "event", None)
             if event is not None:

@@ -1,0 +1,366 @@
+"""The black box: the last steps kept on the publisher thread, a bundle at an incident.
+
+Everything here runs on the publisher thread (``keep``, ``batch``, ``write``), except
+:func:`check_batch_ids`, which ``Monitor.observe`` runs on the training thread. The
+bundle is written inside the fold that finds the incident, so it is on disk before any
+snapshot (hence ``/metrics``) shows the incident's counters.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import operator
+import os
+import platform
+import random
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .. import statistics as S
+from ..errors import ErrorLog
+from . import bundle as B
+
+log = logging.getLogger("gradmon")
+
+MAX_INCIDENTS = 3
+"""Bundles one rank writes per run: the first incidents say what happened; a job that
+goes non-finite again and again must not fill a disk."""
+MAX_IDS = 65536
+"""Sample ids kept per step: a batch is rarely larger, and a bundle is bounded anyway."""
+
+IdList = Tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class BatchIds:
+    """``observe(batch=...)``: put on the publisher's queue before its step's packet."""
+
+    ids: object  # a tuple of ints/strs, or a 1-D integer tensor (a copy, still on its device)
+
+
+def check_batch_ids(ids: object) -> object:
+    """The ids in the form kept, or TypeError saying what ``batch=`` takes. Training
+    thread: a tensor is copied on its device (no host sync), a sequence into a tuple."""
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool or ids.dim() > 1:
+            raise TypeError(f"gradmon: Monitor.observe(batch=...) takes a 1-D integer tensor of sample ids, got a "
+                            f"{ids.dim()}-D {ids.dtype} tensor")
+        return ids.detach().reshape(-1)[:MAX_IDS].clone()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, range)):
+        raise TypeError(f"gradmon: Monitor.observe(batch=...) takes the batch's sample ids: a list or tuple of "
+                        f"ints or strings, or a 1-D integer tensor; got {type(ids).__name__}")
+    out = []
+    for x in ids[:MAX_IDS]:
+        if isinstance(x, str):
+            out.append(x)
+        elif isinstance(x, bool) or not hasattr(type(x), "__index__"):
+            raise TypeError(f"gradmon: Monitor.observe(batch=...): each sample id is an int or a string, got "
+                            f"{type(x).__name__} {x!r}")
+        else:
+            out.append(operator.index(x))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a bundle says about the run, fixed at attach."""
+
+    model: str
+    rank: int
+    world_size: int
+    layers: Tuple[str, ...]
+    blocks: Tuple[str, ...]
+    param_layer: Tuple[int, ...]
+    device: str
+    options: Mapping[str, Any]
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    started: str = field(default_factory=lambda: _now())
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.processor() or platform.machine()})"
+
+
+@dataclass
+class _Step:
+    step: int
+    data: Optional[torch.Tensor]
+    sections: Tuple[S.Section, ...]
+    scalars: Tuple[str, ...]
+    learning_rates: Tuple[Optional[float], ...]
+    skipped: bool
+    batch: List[object]
+
+
+class BlackBox:
+    """The last ``steps`` steps of one monitor as their packets held them, and the
+    incident bundles written from them."""
+
+    def __init__(self, directory: str, max_bytes: int, steps: int, facts: RunFacts, errors: ErrorLog) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.facts = facts
+        self._errors = errors
+        self._ring: Deque[_Step] = collections.deque(maxlen=max(1, steps))
+        self._ring_bytes = 0
+        self._pending: List[object] = []
+        self.written: List[str] = []
+        self.spent = 0
+        self.attempts = 0
+        self._failed = False
+
+    # -- every step -------------------------------------------------------------------
+
+    def batch(self, ids: object) -> None:
+        """Sample ids of a micro-batch of the next step to be kept."""
+        self._pending.append(ids)
+
+    def keep(self, packet: Any) -> None:
+        """One step's packet (its host data, read after its event completed), copied:
+        the recorder may reuse its buffers. Never raises (counted, stage ``publish``)."""
+        try:
+            self._keep(packet)
+        except Exception as exc:  # noqa: BLE001 - the aggregator must still fold the step
+            self._errors.record("publish", exc)
+
+    def _keep(self, packet: Any) -> None:
+        data = packet.data.to(torch.float32, copy=True) if packet.data is not None else None
+        if len(self._ring) == self._ring.maxlen:
+            self._ring_bytes -= _bytes(self._ring[0].data)
+        self._ring.append(_Step(packet.global_step, data, tuple(packet.sections), tuple(packet.scalars),
+                                tuple(packet.learning_rates), bool(packet.skipped), self._pending))
+        self._pending = []
+        self._ring_bytes += _bytes(data)
+        # a bundle never holds more than max_bytes, so neither need the steps kept for it
+        while len(self._ring) > 1 and self._ring_bytes > self.max_bytes:
+            self._ring_bytes -= _bytes(self._ring.popleft().data)
+
+    # -- at an incident ---------------------------------------------------------------
+
+    def write(self, incident: Any, kind: str = "nonfinite") -> Optional[str]:
+        """Write the bundle of ``incident``; never raises. A failure to write (a full or
+        read-only disk) is logged once per run and counted (stage ``publish``)."""
+        if self.attempts >= MAX_INCIDENTS or self.spent >= self.max_bytes:
+            return None
+        self.attempts += 1  # a disk that refuses them must not be asked at every incident
+        try:
+            here = incident.block is not None
+            full = here or self.facts.rank == 0 or self.facts.world_size == 1
+            meta, arrays = self._content(incident, kind, here, full)
+            fitted = B.fit(meta, arrays, self.max_bytes - self.spent, int(meta["history"]["steps"]))
+            if fitted is None:
+                log.warning("gradmon[%s]: incident at step %d not written: the %d bytes of incident_max_bytes "
+                            "left for this run do not hold even its record", self.facts.model, incident.step,
+                            self.max_bytes - self.spent)
+                return None
+            name = (f"gradmon-incident-{B.safe_name(self.facts.model)}-rank{self.facts.rank}-step{incident.step}-"
+                    f"{self.facts.pid}-{self.attempts}.npz")
+            path = B.write(self.directory, name, *fitted)
+        except OSError as exc:
+            self._errors.record("publish", exc, log_first=False)
+            if not self._failed:
+                self._failed = True
+                log.error("gradmon[%s]: could not write the incident bundle into incident_dir %r (%s); training "
+                          "continues, further failures are only counted in gradmon_hook_errors_total"
+                          "{stage=\"publish\"}", self.facts.model, self.directory, exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - nothing may reach the training job
+            self._errors.record("publish", exc)
+            return None
+        self.written.append(path)
+        self.spent += os.path.getsize(path)
+        log.warning("gradmon[%s]: incident bundle written: %s (read it with `gradmon incident %s`)",
+                    self.facts.model, path, path)
+        return path
+
+    def _content(self, incident: Any, kind: str, here: bool, full: bool
+                 ) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+        facts = self.facts
+        steps = list(self._ring) if full else []
+        at = next((s for s in reversed(self._ring) if s.step == incident.step), None)
+        ids = _ids(at.batch) if at is not None else None
+        arrays, history = _history(steps, facts)
+        arrays.update(_rng_arrays())
+        meta: Dict[str, Any] = {
+            "schema": B.SCHEMA, "schema_version": B.VERSION, "kind": kind, "full": full,
+            "written_at": _now(),
+            "run": {"model": facts.model, "rank": facts.rank, "world_size": facts.world_size, "host": facts.host,
+                    "pid": facts.pid, "device": facts.device, "started_at": facts.started},
+            "incident": {"step": incident.step, "origin_step": incident.origin_step,
+                         "origin_here": here, "block": incident.block, "grad_layer": incident.grad_layer,
+                         "activation_layer": incident.activation_layer},
+            "rows": {"known": False, "rows": [], "reason": "per-row block checks are not recorded yet"},
+            "batch": {"known": ids is not None, "ids": ids if ids is not None else [],
+                      "reason": None if ids is not None else "no ids given: Monitor.observe(batch=ids)"},
+            "blamed": _blamed(steps, facts, incident) if full else {},
+            "history": history,
+            "options": dict(facts.options),
+            "rng": {"python_state_version": random.getstate()[0],
+                    "torch_initial_seed": torch.initial_seed(),
+                    "arrays": sorted(name for name in arrays if name.startswith("rng."))},
+            "versions": {"gradmon": _gradmon_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                         "python": platform.python_version(), "platform": sys.platform},
+        }
+        return meta, arrays
+
+
+def _bytes(t: Optional[torch.Tensor]) -> int:
+    return t.numel() * 4 if t is not None else 0
+
+
+def _gradmon_version() -> str:
+    from .. import __version__
+    return __version__
+
+
+def _ids(batch: Sequence[object]) -> Optional[List[Any]]:
+    """The step's sample ids, micro-batches in order; a tensor is read here (publisher
+    thread, at an incident only)."""
+    if not batch:
+        return None
+    out: List[Any] = []
+    for ids in batch:
+        out.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)  # type: ignore[union-attr]
+    return out[:MAX_IDS]
+
+
+def _rng_arrays() -> Dict[str, torch.Tensor]:
+    """RNG states when the bundle is written (the publisher lags the training thread by
+    a step or so): torch's CPU generator, each CUDA device's, Python's ``random``."""
+    out = {"rng.torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng.cuda{i}"] = state
+    out["rng.python"] = torch.tensor(random.getstate()[1], dtype=torch.int64)
+    return out
+
+
+def _history(steps: Sequence[_Step], facts: RunFacts) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """The kept steps as arrays: per-step scalars, each layer's gradient norm, and every
+    statistic's raw record columns by key (NaN where a step had no record)."""
+    n, nan = len(steps), float("nan")
+    layers = len(facts.layers)
+    arrays: Dict[str, torch.Tensor] = {
+        "history.step": torch.tensor([s.step for s in steps], dtype=torch.int64),
+        "history.skipped": torch.tensor([s.skipped for s in steps], dtype=torch.uint8),
+    }
+    scalars = {name: torch.full((n,), nan) for name in ("loss", "lr", "loss_scale", "global_norm")}
+    heat = torch.full((n, layers), nan)
+    columns: Dict[str, Dict[int, Dict[str, float]]] = {}  # array name -> step index -> key -> value
+    described: Dict[str, Dict[str, Any]] = {}
+    for i, s in enumerate(steps):
+        if s.data is None:
+            continue
+        values = s.data.tolist()
+        named = S.read_scalars(values, s.scalars)
+        lr = s.learning_rates[0] if s.learning_rates else None
+        lr = named.get(S.learning_rate_scalar(0), nan) if lr is None and s.learning_rates else lr
+        for key, value in (("loss", named.get(S.SCALAR_LOSS)), ("lr", lr), ("loss_scale", named.get(S.SCALAR_AMP_SCALE))):
+            if value is not None:
+                scalars[key][i] = value
+        if s.skipped:
+            continue
+        for stat, section, rows in S.read(values, s.sections):
+            names = [c.name for c in stat.columns]
+            described.setdefault(stat.name, {"at": stat.at, "columns": [{"name": c.name, "fold": c.fold}
+                                                                          for c in stat.columns]})
+            for key, row in zip(section.keys, rows):
+                for name, value in zip(names, row):
+                    columns.setdefault(f"stat.{stat.name}.{name}", {}).setdefault(i, {})[key] = value
+            if stat.histogram is not None:
+                _layer_norms(heat[i], scalars["global_norm"], i, stat, section, rows, facts)
+    arrays.update({f"history.{k}": v for k, v in scalars.items()})
+    arrays["history.layer_grad_norm"] = heat
+    for name, by_step in columns.items():
+        keys = sorted({k for row in by_step.values() for k in row})
+        slot = {k: j for j, k in enumerate(keys)}
+        table = torch.full((n, len(keys)), nan)
+        for i, row in by_step.items():
+            for k, v in row.items():
+                table[i, slot[k]] = v
+        arrays[name] = table
+        stat = name.split(".")[1]
+        arrays.setdefault(f"stat.{stat}.keys", torch.tensor(keys, dtype=torch.int64))
+        described[stat]["key_is"] = ("parameter" if described[stat]["at"] in S.BY_PARAMETER else
+                                     "block" if described[stat]["at"] == S.BLOCK else "layer")
+    for stat, info in described.items():
+        keys = arrays.get(f"stat.{stat}.keys")
+        if keys is not None and info["key_is"] == "parameter":
+            arrays[f"stat.{stat}.layer"] = torch.tensor([facts.param_layer[k] for k in keys.tolist()],
+                                                        dtype=torch.int64)
+    meta = {"present": n > 0, "steps": n, "dropped_steps": 0, "layers": list(facts.layers),
+            "blocks": list(facts.blocks), "statistics": described}
+    return arrays, meta
+
+
+def _layer_norms(heat_row: torch.Tensor, global_norm: torch.Tensor, i: int, stat: S.Statistic,
+                 section: S.Section, rows: Sequence[Sequence[float]], facts: RunFacts) -> None:
+    """Each layer's gradient norm (the root of its parameters' summed squares) and the
+    global norm, from the statistic that declares the global norm."""
+    j = [c.fold for c in stat.columns].index(S.NORM)
+    squares: Dict[int, float] = {}
+    for key, row in zip(section.keys, rows):
+        layer = facts.param_layer[key] if stat.by_parameter else key
+        squares[layer] = squares.get(layer, 0.0) + row[j] * row[j]
+    for layer, sq in squares.items():
+        heat_row[layer] = sq ** 0.5
+    global_norm[i] = sum(squares.values()) ** 0.5
+
+
+def _blamed(steps: Sequence[_Step], facts: RunFacts, incident: Any) -> Dict[str, Dict[str, Any]]:
+    """The optimizer statistics of the layers the incident names, at the last step that
+    read the optimizer's state."""
+    names = {incident.grad_layer, incident.activation_layer} - {None}
+    index = {name: i for i, name in enumerate(facts.layers)}
+    wanted = {index[n] for n in names if n in index}
+    out: Dict[str, Dict[str, Any]] = {facts.layers[i]: {} for i in wanted}
+    for s in reversed(steps):
+        if s.data is None or s.skipped:
+            continue
+        found = False
+        for stat, section, rows in S.read(s.data.tolist(), s.sections):
+            if stat.at != S.OPTIMIZER:
+                continue
+            found = True
+            for key, row in zip(section.keys, rows):
+                layer = facts.param_layer[key]
+                if layer in wanted:
+                    values = out[facts.layers[layer]].setdefault(f"param {key}", {"step": s.step})
+                    for c, v in zip(stat.columns, row):
+                        values[f"{stat.name}.{c.name}"] = B.finite_or_none(v)
+        if found:
+            break
+    return out
+
+
+def options_of(cfg: Any) -> Dict[str, Any]:
+    """The options as JSON: secrets (fields hidden from the Config's repr) left out,
+    objects only code can give (registry, scaler, callbacks) named by their type."""
+    import dataclasses
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        if not f.repr:
+            continue
+        value = getattr(cfg, f.name)
+        if isinstance(value, (bool, int, float, str)) or value is None:
+            out[f.name] = value if not isinstance(value, float) or value == value else repr(value)
+        elif isinstance(value, tuple):
+            out[f.name] = [v if isinstance(v, str) else getattr(v, "__name__", type(v).__name__) for v in value]
+        elif isinstance(value, Mapping):
+            out[f.name] = {str(k): str(v) for k, v in value.items()}
+        else:
+            out[f.name] = f"<{type(value).__name__}>"
+    return out

@@ -1,0 +1,122 @@
+"""A small transformer-shaped model and a training run that goes non-finite on purpose,
+for the incident-bundle tests: in this process, or as a script in another one (a
+read-only incident_dir as another user, a SIGKILL, a DDP rank).
+
+    python incident_worker.py SCENARIO STEPS [--hold]
+
+trains ``STEPS`` steps with gradmon attached (options from ``GRADMON_*``), prints the
+endpoint's URL and, with ``--hold``, waits to be killed after the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+BATCH, TOKENS, WIDTH = 8, 6, 16
+STEP, ROW = 40, 5  # the incident's step (gradmon counts steps from 1) and the row that carries it
+
+
+class Block(nn.Module):
+    """Pre-norm residual block; ``log_feature`` and ``exp_feature`` are the explicit
+    ``torch.log`` and ``torch.exp`` the scenarios break."""
+
+    def __init__(self, log_feature: bool = False, exp_feature: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mix = nn.Linear(WIDTH, WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+        self.log_feature, self.exp_feature = log_feature, exp_feature
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.log_feature:  # finite unless a row's first feature reaches -10
+            x = x + 0.01 * torch.log(10.0 + x[..., :1])
+        if self.exp_feature:  # float32's exp overflows past 88
+            x = x + 0.01 * torch.exp(x[..., 1:2])
+        h = self.norm(x)
+        return x + 0.1 * self.mix(h) + 0.1 * self.mlp(h)
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block0 = Block()
+        self.block1 = Block(exp_feature=True)
+        self.block2 = Block(log_feature=True)
+        self.block3 = Block()
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in (self.block0, self.block1, self.block2, self.block3):
+            x = block(x)
+        return self.head(x)
+
+
+def poison_log(x: torch.Tensor) -> None:
+    x[ROW, :, 0] = -1000.0  # passes blocks 0 and 1 finite; block 2's log of it is NaN
+
+
+def poison_input(x: torch.Tensor) -> None:
+    x[ROW, 2, 3] = float("nan")
+
+
+def poison_exp(x: torch.Tensor) -> None:
+    x[ROW, :, 1] = 200.0  # exp(200) is +Inf in float32, in block 1
+
+
+SCENARIOS: Dict[str, Callable[[torch.Tensor], None]] = {"log": poison_log, "input": poison_input, "exp": poison_exp}
+
+
+def ids_of(step: int, rank: int = 0) -> List[str]:
+    """The batch's sample ids, as a data loader would name them."""
+    return [f"r{rank}-s{step}-n{n}" for n in range(BATCH)]
+
+
+def train(monitor, model: nn.Module, steps: int, poison: Optional[Callable[[torch.Tensor], None]],
+          rank: int = 0, poison_rank: int = 0) -> None:
+    """``steps`` AdamW steps; at :data:`STEP`, ``poison`` breaks row :data:`ROW` of
+    ``poison_rank``'s batch. The job's own guard zeroes non-finite gradients after
+    gradmon looked, so training goes on."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(1, steps + 1):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(BATCH, TOKENS, WIDTH, generator=g)
+        if poison is not None and step == STEP and rank == poison_rank:
+            poison(x)
+        loss = (model(x) - x).pow(2).mean()
+        monitor.observe(loss=loss, batch=ids_of(step, rank))
+        loss.backward()
+        for p in model.parameters():
+            torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def main(argv: List[str]) -> int:
+    import gradmon
+    scenario, steps = argv[0], int(argv[1])
+    torch.set_num_threads(1)
+    model = TinyTransformer()
+    monitor = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, announce=False)
+    print(json.dumps({"url": monitor.url}), flush=True)
+    train(monitor, model, steps, SCENARIOS.get(scenario))
+    monitor.flush()
+    snap = monitor.snapshot()
+    print(json.dumps({"steps_total": snap.steps_total, "errors": monitor._errors.counts()}), flush=True)
+    if "--hold" in argv:
+        while True:
+            time.sleep(1)
+    monitor.detach()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main(sys.argv[1:]))

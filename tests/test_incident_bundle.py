@@ -1,0 +1,177 @@
+"""The incident bundle as a file: where and when it is written, what it holds, its
+bounds, and a disk that refuses it. Real models and steps on the CPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gradmon
+from gradmon.incidents import bundle as B
+from gradmon.incidents import recorder as R
+
+import incident_worker as W
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(attach, monkeypatch, tmp_path, scenario="input", steps=W.STEP + 5, model=None, **options):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path / "incidents"))
+    model = model or W.TinyTransformer()
+    mon = attach(model, **options)
+    W.train(mon, model, steps, W.SCENARIOS.get(scenario))
+    assert mon.flush()
+    return mon, sorted((tmp_path / "incidents").glob("*.npz")) if (tmp_path / "incidents").exists() else []
+
+
+def test_the_first_nonfinite_step_writes_one_bundle_that_numpy_reads_without_pickle(attach, monkeypatch, tmp_path):
+    _, files = run(attach, monkeypatch, tmp_path)
+    assert len(files) == 1
+    with np.load(files[0], allow_pickle=False) as z:
+        meta = json.loads(z[B.JSON_MEMBER])
+        assert meta["schema"] == B.SCHEMA and meta["schema_version"] == B.VERSION
+        assert meta["incident"]["step"] == W.STEP and meta["incident"]["block"] == "input"
+        assert list(z["history.step"])[-1] == W.STEP  # the incident's own step is in the history
+        assert np.isnan(z["history.global_norm"][-1]) and np.isfinite(z["history.global_norm"][:-1]).all()
+        assert z["history.layer_grad_norm"].shape == (len(z["history.step"]), len(meta["history"]["layers"]))
+
+
+def test_the_bundle_holds_the_steps_before_the_incident_with_loss_and_learning_rate(attach, monkeypatch, tmp_path):
+    _, files = run(attach, monkeypatch, tmp_path)
+    meta, arrays = B.load(str(files[0])).meta, B.load(str(files[0])).arrays
+    assert arrays["history.step"].tolist() == list(range(1, W.STEP + 1))
+    assert torch.isfinite(arrays["history.loss"][:-1]).all() and arrays["history.loss"][-1].isnan()
+    assert torch.allclose(arrays["history.lr"], torch.full((W.STEP,), 1e-3))
+    assert meta["history"]["statistics"]["grad"]["key_is"] == "parameter"
+
+
+def test_the_bundle_names_the_run_the_versions_and_the_options_without_secrets(attach, monkeypatch, tmp_path):
+    _, files = run(attach, monkeypatch, tmp_path, basic_auth_user="ops", basic_auth_password="s3cret-pw")
+    meta = B.load(str(files[0])).meta
+    assert meta["run"]["rank"] == 0 and meta["run"]["model"] == "tinytransformer"
+    assert meta["versions"]["torch"] == torch.__version__ and meta["versions"]["gradmon"] == gradmon.__version__
+    assert meta["options"]["basic_auth_user"] == "ops" and "basic_auth_password" not in meta["options"]
+    assert b"s3cret-pw" not in files[0].read_bytes()
+
+
+def test_the_bundle_carries_the_torch_rng_state(attach, monkeypatch, tmp_path):
+    _, files = run(attach, monkeypatch, tmp_path)
+    state = B.load(str(files[0])).arrays["rng.torch_cpu"]
+    assert state.dtype == torch.uint8 and state.shape == torch.get_rng_state().shape
+
+
+def test_the_batch_ids_of_the_incident_step_are_in_the_bundle(attach, monkeypatch, tmp_path):
+    _, files = run(attach, monkeypatch, tmp_path)
+    batch = B.load(str(files[0])).meta["batch"]
+    assert batch["known"] and batch["ids"] == W.ids_of(W.STEP)
+
+
+def test_an_empty_incident_dir_writes_nothing(attach, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", "")
+    model = W.TinyTransformer()
+    mon = attach(model)
+    W.train(mon, model, W.STEP + 1, W.poison_input)
+    assert mon.flush() and mon._black_box is None
+    assert not any(tmp_path.rglob("*.npz"))
+
+
+def test_bundles_never_exceed_incident_max_bytes_and_keep_the_newest_steps(attach, monkeypatch, tmp_path):
+    bound = 2 ** 16
+    _, files = run(attach, monkeypatch, tmp_path, steps=W.STEP + 1, incident_max_bytes=bound)
+    assert len(files) == 1 and files[0].stat().st_size <= bound
+    meta, arrays = B.load(str(files[0])).meta, B.load(str(files[0])).arrays
+    assert 0 < meta["history"]["steps"] < W.STEP and meta["history"]["dropped_steps"] > 0
+    assert arrays["history.step"].tolist()[-1] == W.STEP
+
+
+def test_a_run_writes_at_most_three_bundles_within_its_bound(attach, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    model = W.TinyTransformer()
+    mon = attach(model, incident_max_bytes=2 ** 20)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(12):  # a NaN every other step: six incidents
+        x = torch.randn(W.BATCH, W.TOKENS, W.WIDTH)
+        if step % 2:
+            x[0, 0, 0] = float("nan")
+        model(x).pow(2).mean().backward()
+        for p in model.parameters():
+            torch.nan_to_num_(p.grad, nan=0.0)
+        opt.step()
+        opt.zero_grad()
+    assert mon.flush()
+    files = list(tmp_path.glob("*.npz"))
+    assert len(files) == R.MAX_INCIDENTS and sum(f.stat().st_size for f in files) <= 2 ** 20
+
+
+def test_a_directory_that_refuses_the_bundle_is_logged_once_and_training_is_untouched(tmp_path):
+    """A read-only incident_dir, for real: the run is another user's (as root), or the
+    directory's mode (otherwise)."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    target.chmod(0o555)
+    tmp_path.chmod(0o755)
+    env = {**os.environ, "GRADMON_INCIDENT_DIR": str(target), "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": str(HERE.parent)}
+    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    # six incidents, three of them bundles it tries to write
+    code = ("import sys, torch; sys.path.insert(0, %r); import incident_worker as W, gradmon, json\n"
+            "m = W.TinyTransformer(); mon = gradmon.attach(m, port=0, addr='127.0.0.1', final_scrape_timeout=0)\n"
+            "opt = torch.optim.SGD(m.parameters(), lr=1e-3)\n"
+            "for step in range(12):\n"
+            "    x = torch.randn(W.BATCH, W.TOKENS, W.WIDTH)\n"
+            "    if step %% 2: x[0, 0, 0] = float('nan')\n"
+            "    m(x).pow(2).mean().backward()\n"
+            "    [torch.nan_to_num_(p.grad, nan=0.0) for p in m.parameters()]\n"
+            "    opt.step(); opt.zero_grad()\n"
+            "mon.flush(); s = mon.snapshot()\n"
+            "print(json.dumps({'steps': s.steps_total, 'nonfinite': s.nonfinite_steps, 'publish': mon._errors.counts()['publish']}))\n"
+            "mon.detach()\n") % str(HERE)
+    out = subprocess.run(prefix + [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240,
+                         cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"steps": 12, "nonfinite": 6, "publish": R.MAX_INCIDENTS}
+    refusals = [line for line in out.stderr.splitlines() if "could not write the incident bundle" in line]
+    assert len(refusals) == 1 and str(target) in refusals[0]
+    assert "Traceback" not in out.stderr and not list(target.iterdir())
+
+
+def test_incident_max_bytes_out_of_range_is_a_value_error_naming_the_option(attach):
+    with pytest.raises(ValueError, match="incident_max_bytes"):
+        attach(W.TinyTransformer(), incident_max_bytes=1000)
+
+
+def test_GRADMON_INCIDENT_MAX_BYTES_sets_the_bound(attach, monkeypatch):
+    monkeypatch.setenv("GRADMON_INCIDENT_MAX_BYTES", "131072")
+    assert attach(W.TinyTransformer()).config.incident_max_bytes == 131072
+
+
+@pytest.mark.parametrize("ids", [torch.randn(8), "abc", [1.5, 2.0], torch.zeros(2, 4, dtype=torch.long), 7])
+def test_observe_batch_with_something_other_than_ids_is_a_type_error(attach, ids):
+    mon = attach(W.TinyTransformer())
+    with pytest.raises(TypeError, match=r"observe\(batch="):
+        mon.observe(batch=ids)
+
+
+def test_observe_batch_takes_an_integer_tensor_copied_on_its_device(attach, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    model = W.TinyTransformer()
+    mon = attach(model)
+    ids = torch.arange(100, 100 + W.BATCH)
+    x = torch.randn(W.BATCH, W.TOKENS, W.WIDTH)
+    x[1, 0, 0] = float("nan")
+    model(x).sum().backward()
+    mon.observe(batch=ids)
+    ids.zero_()  # the caller reuses its buffer: the copy keeps the step's ids
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    assert mon.flush()
+    (path,) = tmp_path.glob("*.npz")
+    assert B.load(str(path)).meta["batch"]["ids"] == list(range(100, 100 + W.BATCH))
