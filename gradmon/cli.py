@@ -9,6 +9,9 @@ import warnings
 from typing import Optional, Sequence
 
 
+_COMMANDS = ("demo", "top", "incident")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -16,9 +19,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         epilog="Start with `gradmon demo` (options: `gradmon demo --help`) and watch it with `gradmon top`. In your "
                "own training script: `import gradmon; gradmon.attach(model)`.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.add_argument("command", nargs="?", choices=["demo", "top"],
-                        help="demo: train a small model with gradmon attached; top: watch an endpoint in the terminal")
-    known, rest = parser.parse_known_args(argv[:1] if argv and argv[0] in ("demo", "top") else argv)
+    parser.add_argument("command", nargs="?", choices=list(_COMMANDS),
+                        help="demo: train a small model with gradmon attached; top: watch an endpoint in the terminal; "
+                             "incident: summarise an incident bundle and write its HTML report")
+    known, rest = parser.parse_known_args(argv[:1] if argv and argv[0] in _COMMANDS else argv)
     if known.version:
         from . import __version__
         print(__version__)
@@ -32,6 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if known.command == "top":
         from . import top
         return top.main(argv[1:])
+    if known.command == "incident":
+        from .incidents import command
+        return command.main(argv[1:])
     parser.print_help()
     return 2
 
