@@ -80,7 +80,7 @@ def ids_of(step: int, rank: int = 0) -> List[str]:
 
 
 def train(monitor, model: nn.Module, steps: int, poison: Optional[Callable[[torch.Tensor], None]],
-          rank: int = 0, poison_rank: int = 0) -> None:
+          rank: int = 0, poison_rank: int = 0, delay: float = 0.0) -> None:
     """``steps`` AdamW steps; at :data:`STEP`, ``poison`` breaks row :data:`ROW` of
     ``poison_rank``'s batch. The job's own guard zeroes non-finite gradients after
     gradmon looked, so training goes on."""
@@ -97,6 +97,25 @@ def train(monitor, model: nn.Module, steps: int, poison: Optional[Callable[[torc
             torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        time.sleep(delay)
+
+
+def ddp_rank(rank: int, world: int, master_port: int, out: str) -> None:
+    """One rank of a gloo DDP job whose NaN is in rank 1's batch (spawned by the test)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import gradmon
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), GRADMON_INCIDENT_DIR=out)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world)
+    try:
+        model = DDP(TinyTransformer())
+        monitor = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, announce=False)
+        train(monitor, model, STEP + 2, poison_input, rank=rank, poison_rank=1)
+        monitor.flush()
+        monitor.detach()
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv: List[str]) -> int:
@@ -106,7 +125,7 @@ def main(argv: List[str]) -> int:
     model = TinyTransformer()
     monitor = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, announce=False)
     print(json.dumps({"url": monitor.url}), flush=True)
-    train(monitor, model, steps, SCENARIOS.get(scenario))
+    train(monitor, model, steps, SCENARIOS.get(scenario), delay=float(os.environ.get("INCIDENT_STEP_DELAY", "0")))
     monitor.flush()
     snap = monitor.snapshot()
     print(json.dumps({"steps_total": snap.steps_total, "errors": monitor._errors.counts()}), flush=True)

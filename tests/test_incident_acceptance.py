@@ -1,0 +1,94 @@
+"""Issue 28's acceptance: real models and steps on the CPU, each breaking in its own way,
+and what the bundle and ``gradmon incident`` say about it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from gradmon.incidents import bundle as B
+
+import incident_worker as W
+from conftest import scrape, value
+from servers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bundle_of(attach, monkeypatch, tmp_path, scenario: str) -> B.Bundle:
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    model = W.TinyTransformer()
+    mon = attach(model)
+    W.train(mon, model, W.STEP + 3, W.SCENARIOS[scenario])
+    assert mon.flush()
+    (path,) = tmp_path.glob("*.npz")
+    return B.load(str(path))
+
+
+def summary(path: str, cwd: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "gradmon", "incident", path, "--no-html"], capture_output=True,
+                         text=True, timeout=120, cwd=str(cwd), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_nan_from_torch_log_in_block_2_names_step_40_block_2_and_the_batch_ids(attach, monkeypatch, tmp_path):
+    b = bundle_of(attach, monkeypatch, tmp_path, "log")
+    assert b.meta["incident"]["step"] == W.STEP and b.meta["incident"]["block"] == "block2"
+    assert b.meta["batch"]["ids"] == W.ids_of(W.STEP) and b.meta["batch"]["ids"][W.ROW] == f"r0-s{W.STEP}-n{W.ROW}"
+    text = summary(b.path, tmp_path)
+    assert f"non-finite at step {W.STEP}" in text and "origin: block block2 on this rank" in text
+
+
+def test_a_nan_that_comes_with_the_batch_is_named_input(attach, monkeypatch, tmp_path):
+    b = bundle_of(attach, monkeypatch, tmp_path, "input")
+    assert b.meta["incident"]["block"] == "input" and b.meta["incident"]["step"] == W.STEP
+    assert "origin: block input on this rank" in summary(b.path, tmp_path)
+
+
+def test_an_overflow_in_an_explicit_exp_is_named_at_its_block(attach, monkeypatch, tmp_path):
+    b = bundle_of(attach, monkeypatch, tmp_path, "exp")
+    assert b.meta["incident"]["block"] == "block1" and b.meta["incident"]["step"] == W.STEP
+    assert "origin: block block1 on this rank" in summary(b.path, tmp_path)
+
+
+def test_in_a_two_rank_ddp_job_rank_1_names_its_batch_and_rank_0_points_at_rank_1(tmp_path):
+    ctx = mp.start_processes(W.ddp_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False,
+                             start_method="spawn")
+    while not ctx.join(timeout=300):
+        pass
+    bundles = {B.load(str(p)).meta["run"]["rank"]: B.load(str(p)) for p in tmp_path.glob("*.npz")}
+    assert set(bundles) == {0, 1}
+    one, zero = bundles[1].meta, bundles[0].meta
+    assert one["incident"]["origin_here"] and one["incident"]["block"] == "input" and one["full"]
+    assert one["batch"]["ids"] == W.ids_of(W.STEP, rank=1)
+    assert not zero["incident"]["origin_here"] and zero["incident"]["step"] == W.STEP
+    assert f"origin: rank 1, block input (its bundle: {bundles[1].path})" in summary(bundles[0].path, tmp_path)
+
+
+def test_a_job_killed_as_soon_as_metrics_shows_the_incident_leaves_a_complete_bundle(tmp_path):
+    env = {**os.environ, "GRADMON_INCIDENT_DIR": str(tmp_path / "incidents"), "INCIDENT_STEP_DELAY": "0.02",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, W.__file__, "log", str(W.STEP + 200)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = json.loads(proc.stdout.readline())["url"]
+        deadline = time.monotonic() + 120
+        while value(scrape(url), "gradmon_nonfinite_steps_total") == 0:
+            assert time.monotonic() < deadline and proc.poll() is None, "the incident never showed"
+        proc.send_signal(signal.SIGKILL)  # at once: no detach, no flush, no exit handler
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (path,) = (tmp_path / "incidents").glob("*.npz")
+    b = B.load(str(path))
+    assert b.meta["incident"]["step"] == W.STEP and b.arrays["history.step"].tolist()[-1] == W.STEP
+    assert not list((tmp_path / "incidents").glob(".tmp-*"))
