@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
 
 from gradmon.incidents import bundle as B
@@ -92,3 +93,36 @@ def test_a_job_killed_as_soon_as_metrics_shows_the_incident_leaves_a_complete_bu
     b = B.load(str(path))
     assert b.meta["incident"]["step"] == W.STEP and b.arrays["history.step"].tolist()[-1] == W.STEP
     assert not list((tmp_path / "incidents").glob(".tmp-*"))
+
+
+def test_lightning_passes_the_ids_a_dict_batch_carries_into_the_bundle(monkeypatch, tmp_path):
+    import lightning.pytorch as pl
+    from gradmon.integrations.lightning import GradmonCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = W.TinyTransformer()
+
+        def training_step(self, batch, batch_idx):
+            return (self.net(batch["x"]) - batch["x"]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def sample(n: int) -> dict:
+        x = torch.randn(W.TOKENS, W.WIDTH)
+        if n == 13:
+            x[0, 0] = float("nan")
+        return {"x": x, "idx": n}
+
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    loader = torch.utils.data.DataLoader([sample(n) for n in range(4 * W.BATCH)], batch_size=W.BATCH)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0)],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu")
+    trainer.fit(Module(), loader)
+    (path,) = tmp_path.glob("*.npz")
+    meta = B.load(str(path)).meta
+    # training_step calls self.net, not the module's own forward: the origin is its child net
+    assert meta["incident"]["block"] == "net" and meta["batch"]["ids"] == list(range(8, 16))

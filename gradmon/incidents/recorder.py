@@ -67,6 +67,24 @@ def check_batch_ids(ids: object) -> object:
     return tuple(out)
 
 
+ID_KEYS = ("ids", "id", "idx", "index", "sample_ids")
+"""Fields of a dict batch that a trainer callback takes for the samples' ids."""
+
+
+def ids_in(batch: object) -> Optional[object]:
+    """The sample ids a dict batch carries (:data:`ID_KEYS`), checked, or None: a batch
+    without usable ids is not an error for a callback that only looked."""
+    if not isinstance(batch, Mapping):
+        return None
+    for key in ID_KEYS:
+        if key in batch:
+            try:
+                return check_batch_ids(batch[key])
+            except TypeError:
+                return None
+    return None
+
+
 @dataclass(frozen=True)
 class RunFacts:
     """What a bundle says about the run, fixed at attach."""

@@ -4,7 +4,8 @@ It attaches when training starts, to the LightningModule Lightning trains (the s
 parameters its strategy wrapped), so the norms are the accumulated, pre-clip gradient of
 each optimizer step (gradmon finds the end of every backward itself, whichever forward
 ``training_step`` calls). It gives each micro-batch's loss to ``monitor.observe()`` from
-``on_before_backward``, exports ``trainer.global_step`` as ``gradmon_step``, hands
+``on_before_backward`` (and, from a dict batch, its ``id``/``ids``/``idx``/``index``
+field to ``observe(batch=...)``, for the incident bundle), exports ``trainer.global_step`` as ``gradmon_step``, hands
 ``precision="16-mixed"``'s GradScaler to gradmon (its overflow steps are skips, not
 non-finite incidents), and ends the
 run with Lightning: ``finished`` at the end of ``fit``, ``failed`` (with the exception's
@@ -19,6 +20,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
+from ..incidents.recorder import ids_in
 from ._run import CallbackRun, ClosingCallback
 
 
@@ -43,6 +45,13 @@ class GradmonCallback(ClosingCallback, pl.Callback):
             defaults["scaler"] = scaler
         self._run.start(pl_module, trainer.is_global_zero, **defaults)
         self._step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        # a dict batch that carries its samples' ids (ID_KEYS): an incident bundle names them
+        ids = ids_in(batch)
+        if self.monitor is not None and ids is not None:
+            self.monitor.observe(batch=ids)
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         if self.monitor is None:
