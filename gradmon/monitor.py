@@ -433,7 +433,9 @@ def _black_box(cfg: Config, mon: Monitor, layers: Sequence[Layer], blocks: Seque
         layers=tuple(layer.name for layer in layers),
         blocks=tuple(blocks), param_layer=tuple(recorder.param_layer), device=incidents.device_name(device),
         options=incidents.options_of(cfg))
-    return incidents.BlackBox(cfg.incident_dir, cfg.incident_max_bytes, cfg.ui_history, facts, mon._errors)
+    # resolved now: a job that changes its working directory later still writes where it said
+    return incidents.BlackBox(os.path.abspath(cfg.incident_dir), cfg.incident_max_bytes, cfg.ui_history, facts,
+                              mon._errors)
 
 
 def _series_labels(name: str, rank: RankInfo, cfg: Config) -> Dict[str, str]:

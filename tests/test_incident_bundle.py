@@ -175,3 +175,15 @@ def test_observe_batch_takes_an_integer_tensor_copied_on_its_device(attach, monk
     assert mon.flush()
     (path,) = tmp_path.glob("*.npz")
     assert B.load(str(path)).meta["batch"]["ids"] == list(range(100, 100 + W.BATCH))
+
+
+def test_a_relative_incident_dir_is_where_the_job_was_when_it_attached(attach, monkeypatch, tmp_path):
+    (tmp_path / "later").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", "incidents")
+    model = W.TinyTransformer()
+    mon = attach(model)
+    monkeypatch.chdir(tmp_path / "later")
+    W.train(mon, model, W.STEP, W.poison_input)
+    assert mon.flush()
+    assert len(list((tmp_path / "incidents").glob("*.npz"))) == 1 and not list((tmp_path / "later").rglob("*.npz"))
