@@ -4,7 +4,6 @@ bounds, and a disk that refuses it. Real models and steps on the CPU."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys

@@ -3,10 +3,8 @@ bundles that are malformed or hostile (a bundle is a file from an untrusted run)
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile

@@ -6,7 +6,6 @@ trusts nothing in the file). docs/incidents.md is the reference for every field.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -174,11 +173,5 @@ def _check(path: str, meta: Dict[str, Any], arrays: Mapping[str, torch.Tensor]) 
 
 
 def dumps(meta: Mapping[str, Any]) -> bytes:
+    """``bundle.json``'s bytes for ``meta``, as :func:`write` makes them."""
     return _json(meta)
-
-
-def arrays_bytes(arrays: Mapping[str, torch.Tensor]) -> bytes:
-    """The npz of ``arrays`` alone, in memory (tests and sizes)."""
-    out = io.BytesIO()
-    npz.write(out, arrays, {})
-    return out.getvalue()

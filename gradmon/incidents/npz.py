@@ -40,14 +40,6 @@ def npy_bytes(array: torch.Tensor) -> bytes:
     return MAGIC + struct.pack("<H", len(text)) + text + body
 
 
-def npy_size(shape: Tuple[int, ...], itemsize: int = 4) -> int:
-    """Bytes an array of this shape takes in a stored (uncompressed) member, header included."""
-    n = 1
-    for d in shape:
-        n *= d
-    return 128 + n * itemsize
-
-
 def write(out: IO[bytes], arrays: Mapping[str, torch.Tensor], texts: Mapping[str, bytes]) -> None:
     """Members stored uncompressed, so that the size written is known beforehand."""
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as z:

@@ -34,8 +34,6 @@ goes non-finite again and again must not fill a disk."""
 MAX_IDS = 65536
 """Sample ids kept per step: a batch is rarely larger, and a bundle is bounded anyway."""
 
-IdList = Tuple[Any, ...]
-
 
 @dataclass(frozen=True)
 class BatchIds:
