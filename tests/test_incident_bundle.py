@@ -4,6 +4,7 @@ bounds, and a disk that refuses it. Real models and steps on the CPU."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -186,3 +187,31 @@ def test_a_relative_incident_dir_is_where_the_job_was_when_it_attached(attach, m
     W.train(mon, model, W.STEP, W.poison_input)
     assert mon.flush()
     assert len(list((tmp_path / "incidents").glob("*.npz"))) == 1 and not list((tmp_path / "later").rglob("*.npz"))
+
+
+def test_each_layers_gradient_norm_in_the_history_is_the_norm_torch_computes(attach, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    model = W.TinyTransformer()
+    mon = attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    expected = []
+    for step in range(6):
+        x = torch.randn(W.BATCH, W.TOKENS, W.WIDTH)
+        if step == 5:
+            x[0, 0, 0] = float("nan")
+        model(x).pow(2).mean().backward()
+        expected.append({name: math.sqrt(sum(float(p.grad.double().pow(2).sum())
+                                             for p in model.get_submodule(name).parameters(recurse=False)))
+                         for name in mon.layers})
+        opt.step()
+        opt.zero_grad()
+    assert mon.flush()
+    (path,) = tmp_path.glob("*.npz")
+    b = B.load(str(path))
+    heat, layers = b.arrays["history.layer_grad_norm"], b.meta["history"]["layers"]
+    for i, want in enumerate(expected[:5]):
+        for j, name in enumerate(layers):
+            assert heat[i, j].item() == pytest.approx(want[name], rel=1e-5), (i, name)
+        assert b.arrays["history.global_norm"][i].item() == pytest.approx(
+            math.sqrt(sum(v * v for v in want.values())), rel=1e-5)
+    assert heat[5].isnan().any()

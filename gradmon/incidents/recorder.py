@@ -22,9 +22,9 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .. import statistics as S
 from ..errors import ErrorLog
 from . import bundle as B
+from .steps import Step, decode, optimizer_values
 
 log = logging.getLogger("gradmon")
 
@@ -110,17 +110,6 @@ def device_name(device: torch.device) -> str:
     return f"{device.type} ({platform.processor() or platform.machine()})"
 
 
-@dataclass
-class _Step:
-    step: int
-    data: Optional[torch.Tensor]
-    sections: Tuple[S.Section, ...]
-    scalars: Tuple[str, ...]
-    learning_rates: Tuple[Optional[float], ...]
-    skipped: bool
-    batch: List[object]
-
-
 class BlackBox:
     """The last ``steps`` steps of one monitor as their packets held them, and the
     incident bundles written from them."""
@@ -130,7 +119,7 @@ class BlackBox:
         self.max_bytes = max_bytes
         self.facts = facts
         self._errors = errors
-        self._ring: Deque[_Step] = collections.deque(maxlen=max(1, steps))
+        self._ring: Deque[Step] = collections.deque(maxlen=max(1, steps))
         self._ring_bytes = 0
         self._pending: List[object] = []
         self.written: List[str] = []
@@ -156,7 +145,7 @@ class BlackBox:
         data = packet.data.to(torch.float32, copy=True) if packet.data is not None else None
         if len(self._ring) == self._ring.maxlen:
             self._ring_bytes -= _bytes(self._ring[0].data)
-        self._ring.append(_Step(packet.global_step, data, tuple(packet.sections), tuple(packet.scalars),
+        self._ring.append(Step(packet.global_step, data, tuple(packet.sections), tuple(packet.scalars),
                                 tuple(packet.learning_rates), bool(packet.skipped), self._pending))
         self._pending = []
         self._ring_bytes += _bytes(data)
@@ -264,102 +253,22 @@ def _rng_arrays() -> Dict[str, torch.Tensor]:
     return out
 
 
-def _history(steps: Sequence[_Step], facts: RunFacts) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """The kept steps as arrays: per-step scalars, each layer's gradient norm, and every
-    statistic's raw record columns by key (NaN where a step had no record)."""
-    n, nan = len(steps), float("nan")
-    layers = len(facts.layers)
-    arrays: Dict[str, torch.Tensor] = {
-        "history.step": torch.tensor([s.step for s in steps], dtype=torch.int64),
-        "history.skipped": torch.tensor([s.skipped for s in steps], dtype=torch.uint8),
-    }
-    scalars = {name: torch.full((n,), nan) for name in ("loss", "lr", "loss_scale", "global_norm")}
-    heat = torch.full((n, layers), nan)
-    columns: Dict[str, Dict[int, Dict[str, float]]] = {}  # array name -> step index -> key -> value
-    described: Dict[str, Dict[str, Any]] = {}
-    for i, s in enumerate(steps):
-        if s.data is None:
-            continue
-        values = s.data.tolist()
-        named = S.read_scalars(values, s.scalars)
-        lr = s.learning_rates[0] if s.learning_rates else None
-        lr = named.get(S.learning_rate_scalar(0), nan) if lr is None and s.learning_rates else lr
-        for key, value in (("loss", named.get(S.SCALAR_LOSS)), ("lr", lr), ("loss_scale", named.get(S.SCALAR_AMP_SCALE))):
-            if value is not None:
-                scalars[key][i] = value
-        if s.skipped:
-            continue
-        for stat, section, rows in S.read(values, s.sections):
-            names = [c.name for c in stat.columns]
-            described.setdefault(stat.name, {"at": stat.at, "columns": [{"name": c.name, "fold": c.fold}
-                                                                          for c in stat.columns]})
-            for key, row in zip(section.keys, rows):
-                for name, value in zip(names, row):
-                    columns.setdefault(f"stat.{stat.name}.{name}", {}).setdefault(i, {})[key] = value
-            if stat.histogram is not None:
-                _layer_norms(heat[i], scalars["global_norm"], i, stat, section, rows, facts)
-    arrays.update({f"history.{k}": v for k, v in scalars.items()})
-    arrays["history.layer_grad_norm"] = heat
-    for name, by_step in columns.items():
-        keys = sorted({k for row in by_step.values() for k in row})
-        slot = {k: j for j, k in enumerate(keys)}
-        table = torch.full((n, len(keys)), nan)
-        for i, row in by_step.items():
-            for k, v in row.items():
-                table[i, slot[k]] = v
-        arrays[name] = table
-        stat = name.split(".")[1]
-        arrays.setdefault(f"stat.{stat}.keys", torch.tensor(keys, dtype=torch.int64))
-        described[stat]["key_is"] = ("parameter" if described[stat]["at"] in S.BY_PARAMETER else
-                                     "block" if described[stat]["at"] == S.BLOCK else "layer")
-    for stat, info in described.items():
-        keys = arrays.get(f"stat.{stat}.keys")
-        if keys is not None and info["key_is"] == "parameter":
-            arrays[f"stat.{stat}.layer"] = torch.tensor([facts.param_layer[k] for k in keys.tolist()],
-                                                        dtype=torch.int64)
-    meta = {"present": n > 0, "steps": n, "dropped_steps": 0, "layers": list(facts.layers),
+def _history(steps: Sequence[Step], facts: RunFacts) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    arrays, described = decode(steps, len(facts.layers), facts.param_layer)
+    meta = {"present": len(steps) > 0, "steps": len(steps), "dropped_steps": 0, "layers": list(facts.layers),
             "blocks": list(facts.blocks), "statistics": described}
     return arrays, meta
 
 
-def _layer_norms(heat_row: torch.Tensor, global_norm: torch.Tensor, i: int, stat: S.Statistic,
-                 section: S.Section, rows: Sequence[Sequence[float]], facts: RunFacts) -> None:
-    """Each layer's gradient norm (the root of its parameters' summed squares) and the
-    global norm, from the statistic that declares the global norm."""
-    j = [c.fold for c in stat.columns].index(S.NORM)
-    squares: Dict[int, float] = {}
-    for key, row in zip(section.keys, rows):
-        layer = facts.param_layer[key] if stat.by_parameter else key
-        squares[layer] = squares.get(layer, 0.0) + row[j] * row[j]
-    for layer, sq in squares.items():
-        heat_row[layer] = sq ** 0.5
-    global_norm[i] = sum(squares.values()) ** 0.5
-
-
-def _blamed(steps: Sequence[_Step], facts: RunFacts, incident: Any) -> Dict[str, Dict[str, Any]]:
-    """The optimizer statistics of the layers the incident names, at the last step that
-    read the optimizer's state."""
-    names = {incident.grad_layer, incident.activation_layer} - {None}
+def _blamed(steps: Sequence[Step], facts: RunFacts, incident: Any) -> Dict[str, Dict[str, Any]]:
+    """The optimizer statistics of the layers the incident names, at the last kept step
+    that read the optimizer's state."""
     index = {name: i for i, name in enumerate(facts.layers)}
-    wanted = {index[n] for n in names if n in index}
-    out: Dict[str, Dict[str, Any]] = {facts.layers[i]: {} for i in wanted}
-    for s in reversed(steps):
-        if s.data is None or s.skipped:
-            continue
-        found = False
-        for stat, section, rows in S.read(s.data.tolist(), s.sections):
-            if stat.at != S.OPTIMIZER:
-                continue
-            found = True
-            for key, row in zip(section.keys, rows):
-                layer = facts.param_layer[key]
-                if layer in wanted:
-                    values = out[facts.layers[layer]].setdefault(f"param {key}", {"step": s.step})
-                    for c, v in zip(stat.columns, row):
-                        values[f"{stat.name}.{c.name}"] = B.finite_or_none(v)
-        if found:
-            break
-    return out
+    wanted = [index[n] for n in (incident.grad_layer, incident.activation_layer) if n in index]
+    found = optimizer_values(steps, wanted, facts.param_layer)
+    return {facts.layers[layer]: {param: {k: B.finite_or_none(v) if isinstance(v, float) else v
+                                          for k, v in values.items()} for param, values in params.items()}
+            for layer, params in found.items()}
 
 
 def options_of(cfg: Any) -> Dict[str, Any]:
