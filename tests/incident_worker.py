@@ -100,8 +100,8 @@ def train(monitor, model: nn.Module, steps: int, poison: Optional[Callable[[torc
         time.sleep(delay)
 
 
-def ddp_rank(rank: int, world: int, master_port: int, out: str) -> None:
-    """One rank of a gloo DDP job whose NaN is in rank 1's batch (spawned by the test)."""
+def ddp_rank(rank: int, world: int, master_port: int, out: str, poison_rank: int = 1) -> None:
+    """One rank of a gloo DDP job whose NaN is in ``poison_rank``'s batch (spawned by the test)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import gradmon
@@ -111,7 +111,7 @@ def ddp_rank(rank: int, world: int, master_port: int, out: str) -> None:
     try:
         model = DDP(TinyTransformer())
         monitor = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, announce=False)
-        train(monitor, model, STEP + 2, poison_input, rank=rank, poison_rank=1)
+        train(monitor, model, STEP + 2, poison_input, rank=rank, poison_rank=poison_rank)
         monitor.flush()
         monitor.detach()
     finally:

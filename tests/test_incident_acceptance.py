@@ -74,6 +74,20 @@ def test_in_a_two_rank_ddp_job_rank_1_names_its_batch_and_rank_0_points_at_rank_
     assert f"origin: rank 1, block input (its bundle: {bundles[1].path})" in summary(bundles[0].path, tmp_path)
 
 
+def test_in_a_two_rank_ddp_job_a_rank_that_is_neither_origin_nor_rank_0_writes_a_small_record(tmp_path):
+    ctx = mp.start_processes(W.ddp_rank, args=(2, free_port(), str(tmp_path), 0), nprocs=2, join=False,
+                             start_method="spawn")
+    while not ctx.join(timeout=300):
+        pass
+    bundles = {B.load(str(p)).meta["run"]["rank"]: B.load(str(p)) for p in tmp_path.glob("*.npz")}
+    assert bundles[0].meta["full"] and bundles[0].meta["incident"]["block"] == "input"
+    one = bundles[1]
+    assert not one.meta["full"] and not one.meta["history"]["present"] and "history.step" not in one.arrays
+    assert Path(one.path).stat().st_size < Path(bundles[0].path).stat().st_size / 4
+    text = summary(one.path, tmp_path)
+    assert "history: none in this record" in text and "origin: rank 0, block input" in text
+
+
 def test_a_job_killed_as_soon_as_metrics_shows_the_incident_leaves_a_complete_bundle(tmp_path):
     env = {**os.environ, "GRADMON_INCIDENT_DIR": str(tmp_path / "incidents"), "INCIDENT_STEP_DELAY": "0.02",
            "PYTHONPATH": str(ROOT)}

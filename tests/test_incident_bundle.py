@@ -74,6 +74,13 @@ def test_the_batch_ids_of_the_incident_step_are_in_the_bundle(attach, monkeypatc
     assert batch["known"] and batch["ids"] == W.ids_of(W.STEP)
 
 
+def test_the_bundle_is_written_by_the_publisher_thread_not_the_training_thread(attach, monkeypatch, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="gradmon"):
+        run(attach, monkeypatch, tmp_path)
+    (record,) = [r for r in caplog.records if "incident bundle written" in r.getMessage()]
+    assert record.threadName.startswith("gradmon-publisher-") and record.threadName != "MainThread"
+
+
 def test_an_empty_incident_dir_writes_nothing(attach, monkeypatch, tmp_path):
     monkeypatch.setenv("GRADMON_INCIDENT_DIR", "")
     model = W.TinyTransformer()

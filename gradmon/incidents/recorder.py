@@ -254,7 +254,8 @@ def _rng_arrays() -> Dict[str, torch.Tensor]:
 
 
 def _history(steps: Sequence[Step], facts: RunFacts) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    arrays, described = decode(steps, len(facts.layers), facts.param_layer)
+    # a record without history (fleet scale: neither the origin rank nor rank 0) has no arrays of it
+    arrays, described = decode(steps, len(facts.layers), facts.param_layer) if steps else ({}, {})
     meta = {"present": len(steps) > 0, "steps": len(steps), "dropped_steps": 0, "layers": list(facts.layers),
             "blocks": list(facts.blocks), "statistics": described}
     return arrays, meta
