@@ -222,3 +222,14 @@ def test_each_layers_gradient_norm_in_the_history_is_the_norm_torch_computes(att
         assert b.arrays["history.global_norm"][i].item() == pytest.approx(
             math.sqrt(sum(v * v for v in want.values())), rel=1e-5)
     assert heat[5].isnan().any()
+
+
+def test_a_model_attached_again_never_writes_over_the_earlier_runs_bundle(attach, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    model = W.TinyTransformer()
+    for _ in range(2):  # the same steps, the same NaN, twice in one process
+        mon = attach(model)
+        W.train(mon, model, W.STEP, W.poison_input)
+        assert mon.flush()
+        mon.detach()
+    assert len(list(tmp_path.glob("*.npz"))) == 2

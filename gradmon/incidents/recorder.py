@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import itertools
 import logging
 import operator
 import os
@@ -98,6 +99,12 @@ class RunFacts:
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     started: str = field(default_factory=lambda: _now())
+    run: int = field(default_factory=lambda: next(_RUNS))
+    """This process's monitors in attach order: a model attached again, whose steps start
+    again from 1, never writes over an earlier run's bundle."""
+
+
+_RUNS = itertools.count(1)
 
 
 def _now() -> str:
@@ -122,7 +129,6 @@ class BlackBox:
         self._ring: Deque[Step] = collections.deque(maxlen=max(1, steps))
         self._ring_bytes = 0
         self._pending: List[object] = []
-        self.written: List[str] = []
         self.spent = 0
         self.attempts = 0
         self._failed = False
@@ -172,7 +178,7 @@ class BlackBox:
                             self.max_bytes - self.spent)
                 return None
             name = (f"gradmon-incident-{B.safe_name(self.facts.model)}-rank{self.facts.rank}-step{incident.step}-"
-                    f"{self.facts.pid}-{self.attempts}.npz")
+                    f"{self.facts.pid}-{self.facts.run}-{self.attempts}.npz")
             path = B.write(self.directory, name, *fitted)
         except OSError as exc:
             self._errors.record("publish", exc, log_first=False)
@@ -185,7 +191,6 @@ class BlackBox:
         except Exception as exc:  # noqa: BLE001 - nothing may reach the training job
             self._errors.record("publish", exc)
             return None
-        self.written.append(path)
         self.spent += os.path.getsize(path)
         log.warning("gradmon[%s]: incident bundle written: %s (read it with `gradmon incident %s`)",
                     self.facts.model, path, path)
@@ -203,7 +208,7 @@ class BlackBox:
             "schema": B.SCHEMA, "schema_version": B.VERSION, "kind": kind, "full": full,
             "written_at": _now(),
             "run": {"model": facts.model, "rank": facts.rank, "world_size": facts.world_size, "host": facts.host,
-                    "pid": facts.pid, "device": facts.device, "started_at": facts.started},
+                    "pid": facts.pid, "run": facts.run, "device": facts.device, "started_at": facts.started},
             "incident": {"step": incident.step, "origin_step": incident.origin_step,
                          "origin_here": here, "block": incident.block, "grad_layer": incident.grad_layer,
                          "activation_layer": incident.activation_layer},
