@@ -8,23 +8,28 @@
   ``torch.compile`` one module backward hook makes the whole model run eagerly. A
   tensor hook registered before an in-place op receives the gradient of the value the
   layer returned, which is exactly gradient flow, and covers the same layers.
-* The first hook of a backward pass (a monitored parameter's post-accumulate-grad
-  hook, a grad-flow hook, or a tensor hook on the root module's output for FSDP2, whose
-  sharded parameters never run AccumulateGrad) queues one end-of-backward callback for
-  that pass, identified by its graph task: a pass that raised never runs its callback,
-  and the next one must not be mistaken for it. The callback re-queues itself once so
-  that it runs after the callbacks DDP and FSDP queue during backward (their gradient
-  reduction finishes there). It then reduces every parameter gradient: the accumulated,
-  reduced gradient, before any ``clip_grad_norm_`` the user calls between backward and
-  step, whichever module's forward the user called.
+* The first hook of a backward pass (a tensor hook on the root module's output, or on a
+  top-level block's output when that block is called alone, or a monitored parameter's
+  post-accumulate-grad hook) queues one end-of-backward callback for that pass,
+  identified by its graph task: a pass that raised never runs its callback, and the next
+  one must not be mistaken for it. The callback re-queues itself once so that it runs
+  after the callbacks DDP and FSDP queue during backward (their gradient reduction
+  finishes there). It then reduces every parameter gradient: the accumulated, reduced
+  gradient, before any ``clip_grad_norm_`` the user calls between backward and step,
+  whichever module's forward the user called. The per-parameter hooks are a Python call
+  per parameter per backward: they stay only while a backward may come that no watched
+  output sees (until a step shows otherwise, and for good once a step's gradients came
+  from such a backward), or where LOCAL_GRAD reads each gradient in them.
 * Global optimizer step hooks close the step: one packet, one device-to-host copy.
   Before it is closed, the post-step hook reads the learning rates and, on sampled
   steps, what the optimizer did (``optimizer.read``: the OPTIMIZER moment).
 
-Between detail steps (``detail_every``) the layers' forward hooks return at once; the
-hooks on the root module and its direct children record two extremes of their values
-every step (where a NaN entered). Nothing here
-reads a device value on the host.
+Between detail steps (``detail_every``) the layers' forward hooks are not registered at
+all (a hooked module leaves PyTorch's fast call path); the hooks on the root module and
+its top-level blocks check their values every step (where a NaN entered), the blocks' small
+outputs all at once when the root's forward returns (:class:`BlockChecks`). An ordinary
+step thus enters Python once per block and a few times per step, never per layer or per
+parameter (``tests/test_host_cost.py``). Nothing here reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -178,7 +183,7 @@ class _Records:
     statistic with ``combine`` records raw material, turned into its rows (all pending
     records at once) when committed or when :data:`RAW_BUDGET` elements are waiting."""
 
-    __slots__ = ("keyed", "done", "pending", "combine", "scratch", "raw", "raw_elements")
+    __slots__ = ("keyed", "done", "pending", "combine", "scratch", "raw", "raw_elements", "rows", "pending_rows")
 
     def __init__(self, keyed: bool, combine: Optional[Callable[..., torch.Tensor]] = None,
                  scratch: Optional[stats.Scratch] = None) -> None:
@@ -189,6 +194,8 @@ class _Records:
         self.pending: List[Tuple[int, int, Sequence[torch.Tensor]]] = []
         self.raw: List[int] = []  # positions in pending still holding raw material
         self.raw_elements = 0
+        self.rows: List[_Rows] = []  # committed records made many at once
+        self.pending_rows: List[_Rows] = []
 
     def add(self, key: int, numel: int, parts: Sequence[torch.Tensor]) -> None:
         self.pending.append((key, numel, parts))
@@ -197,6 +204,11 @@ class _Records:
             self.raw_elements += parts[0].numel()
             if self.raw_elements > RAW_BUDGET:
                 self._combine()
+
+    def add_rows(self, keys: Sequence[int], numels: Sequence[int], parts: Sequence[torch.Tensor]) -> None:
+        """Records of many tensors at once: ``parts`` are (n, width) blocks whose row j is
+        the record of ``keys[j]`` (not for keyed or combined statistics)."""
+        self.pending_rows.append((tuple(keys), tuple(numels), tuple(parts)))
 
     def _combine(self) -> None:
         if not self.raw:
@@ -213,18 +225,110 @@ class _Records:
         for record in self.pending:
             self.done[record[0] if self.keyed else len(self.done)] = record
         self.pending = []
+        self.rows.extend(self.pending_rows)
+        self.pending_rows = []
 
     def drop_pending(self) -> None:
         self.pending = []
+        self.pending_rows = []
         self.raw, self.raw_elements = [], 0
 
     def keys(self) -> List[int]:
         """Keys of the committed records, in the order the packet carries them."""
-        return [key for key, _, _ in self.committed()]
+        return [key for key, _, _ in self.committed()] + [key for keys, _, _ in self.rows for key in keys]
 
     def committed(self) -> List[Tuple[int, int, Sequence[torch.Tensor]]]:
         records = list(self.done.values())
         return sorted(records, key=lambda r: r[0]) if self.keyed else records
+
+
+_Rows = Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[torch.Tensor, ...]]  # keys, numels, (n, width) parts
+
+
+DEFER_MAX = 2 ** 14
+"""Largest top-level block output (elements) whose non-finite check waits for the end of
+the forward, to be made with every other one in a few kernels (``stats.extremes_many``).
+A larger one is checked in its hook: its kernel costs more than the hook's Python, and
+holding it until the end of the forward could keep alive memory that the forward (or
+activation checkpointing) would have freed."""
+
+
+class BlockChecks:
+    """The ordinary step's non-finite check of the top-level blocks' outputs, batched.
+
+    A small plain tensor returned by a block is kept, with its version counter, until the
+    root's forward returns; then all are checked at once. A later in-place op on it (a
+    ``ReLU(inplace=True)`` sibling, a residual ``+=`` in the root) would make the check
+    read a value the block never returned: a block is deferred only once one forward
+    showed its output unchanged at the end (until then its hook checks it at once), and a
+    deferred output found changed loses that record and goes back to being checked in its
+    hook. Holds no tensor between forwards."""
+
+    __slots__ = ("waiting", "probing", "settled")
+
+    def __init__(self) -> None:
+        self.waiting: List[Tuple[int, torch.Tensor, int]] = []  # (block key, output, its version then)
+        self.probing: List[Tuple[int, torch.Tensor, int]] = []  # checked in the hook, watched for a change
+        self.settled: set = set()  # block keys whose outputs may wait
+
+    @staticmethod
+    def plain(t: Any) -> bool:
+        """A tensor whose check may wait: a small dense floating-point torch.Tensor with values."""
+        return (type(t) is torch.Tensor and t.is_floating_point() and t.layout == torch.strided
+                and not t.is_meta and not t.is_nested and 0 < t.numel() <= DEFER_MAX)
+
+    def defer(self, key: int, t: Any) -> bool:
+        """Keep ``t`` for the end of the forward; False when its hook must check it now: it
+        is no :meth:`plain` tensor, or not yet known to stay unchanged (it is then watched,
+        to learn whether it may wait next time)."""
+        if not self.plain(t):
+            return False
+        if key in self.settled:
+            self.waiting.append((key, t, t._version))
+            return True
+        self.probing.append((key, t, t._version))
+        return False
+
+    def last(self) -> Optional[Tuple[int, torch.Tensor, int]]:
+        return self.waiting[-1] if self.waiting else None
+
+    def drop(self) -> None:
+        self.waiting, self.probing = [], []
+
+    def flush(self, into: Sequence[Tuple[Statistic, "_Records"]], alias: Sequence[int] = ()) -> None:
+        """Check the waiting outputs: one batch of rows per statistic (``record_many``) into
+        its records; ``alias`` are more keys whose record is the last waiting output's (the
+        root's output, when it is the last block's, unchanged)."""
+        waiting, probing = self.waiting, self.probing
+        self.drop()
+        for key, t, version in probing:
+            if t._version == version:
+                self.settled.add(key)
+        kept = [entry for entry in waiting if entry[1]._version == entry[2]]
+        if len(kept) < len(waiting):
+            self.settled.difference_update(key for key, t, version in waiting if t._version != version)
+        if not kept:
+            return
+        alias = alias if waiting[-1][1]._version == waiting[-1][2] else ()
+        tensors = [entry[1] for entry in kept]
+        every_key = [entry[0] for entry in kept]
+        every_numel = list(map(torch.Tensor.numel, tensors))
+        for st, records in into:
+            *parts, order = st.record_many(tensors, tensors[0].device)
+            keys = list(map(every_key.__getitem__, order))
+            numels = list(map(every_numel.__getitem__, order))
+            if alias:
+                at = order.index(len(kept) - 1)
+                keys += alias
+                numels += [numels[at]] * len(alias)
+                parts = [torch.cat((part, part[at:at + 1].expand(len(alias), -1))) for part in parts]
+            records.add_rows(keys, numels, parts)
+
+
+def _will_accumulate(p: torch.Tensor) -> bool:
+    """Whether the running backward accumulates into ``p.grad`` (RuntimeError inside
+    ``torch.autograd.grad``, which accumulates nothing)."""
+    return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node)
 
 
 def _graph_task_id() -> int:
@@ -276,7 +380,25 @@ class Recorder:
         self._flat_of: Dict[int, weakref.ref] = {i: weakref.ref(flat_of[id(p)]) for i, p in enumerate(params)
                                                  if p is not None and id(p) in flat_of}
         self._param_hooks: List[Any] = []
-        self._hooked: List[Optional[weakref.ref]] = []
+        self._hooked: List[Optional[weakref.ref]] = []  # the parameters as last seen
+        # Per-parameter hooks find the end of a backward that passed through no output
+        # gradmon saw (a forward of a deeper submodule), and record LOCAL_GRAD. They cost a
+        # Python call per parameter per backward, so once a step shows every backward
+        # passing through the root's output (or a top-level block's, called alone) they
+        # are removed; a step whose gradients came from a backward gradmon did not see
+        # (measured at the optimizer step) brings them back for good.
+        self._per_param = True
+        self._unseen = False  # a step had gradients from a backward gradmon did not see
+        self._step_seen = False  # this step's gradients were measured at the end of a seen backward
+        self._seen_task = -2  # graph task that passed through an output gradmon watches
+        self._probe: Optional[weakref.ref] = None  # the parameter that last answered _accumulates
+        self._blocks = BlockChecks()
+        self._in_root = False  # inside the root's forward
+        self.layer_hooks: Optional[LayerHooks] = None  # set by HookSet.install
+        self._compiled = False  # a hook ran inside a compiled region: hooks stay as they are
+        self._batch_blocks = all(st.record_many is not None for st in self._at[S.BLOCK])
+        self._defer_blocks = False  # this step's block checks wait for the end of the forward
+        self._params_now: Optional[List[Optional[torch.Tensor]]] = None  # as this step's measure saw them
         self._measure_failed = False
         self.scaler = cfg.scaler
         self._scale: Optional[torch.Tensor] = None  # loss scale during this step's backward
@@ -326,12 +448,8 @@ class Recorder:
 
     def current_params(self) -> List[Optional[torch.Tensor]]:
         """The monitored parameters as the modules hold them now (None: gone)."""
-        out: List[Optional[torch.Tensor]] = []
-        for ref, name in self._slots:
-            module = ref()
-            p = module._parameters.get(name) if module is not None else None
-            out.append(p if p is not None and p.requires_grad else None)
-        return out
+        return [p if (p := (m._parameters.get(name) if (m := ref()) is not None else None)) is not None
+                and p.requires_grad else None for ref, name in self._slots]
 
     def release(self) -> None:
         """Drop every reference to the model so it can be garbage-collected after detach."""
@@ -339,28 +457,34 @@ class Recorder:
         self._remove_param_hooks()
         self._batched = {}
         self._scratch = None
+        self._params_now = None
+        self._blocks = BlockChecks()
         self._reset_records()
 
     # -- parameter hooks -----------------------------------------------------------
 
-    def hook_params(self) -> bool:
-        """(Re-)register the post-accumulate-grad hook of every monitored parameter, on
-        the parameters the modules hold now; True if any changed. Cheap when none did."""
-        params = self.current_params()
-        if len(self._hooked) == len(params) and all(
-                (r is None and p is None) or (r is not None and r() is p) for r, p in zip(self._hooked, params)):
-            return False
-        if self._hooked:
+    def hook_params(self, params: Optional[List[Optional[torch.Tensor]]] = None) -> bool:
+        """Notice parameters replaced since last time (``params``: as the modules hold them
+        now, if the caller has them) and keep the post-accumulate-grad hooks on the current
+        ones while they are wanted; True if any parameter changed."""
+        params = self.current_params() if params is None else params
+        changed = not (len(self._hooked) == len(params) and all(
+            (r is None and p is None) or (r is not None and r() is p) for r, p in zip(self._hooked, params)))
+        if changed and self._hooked:
             log.warning("gradmon: monitored parameters were replaced after attach (new nn.Parameter or "
                         "load_state_dict(assign=True)); measuring the new ones")
             self._owned.clear()
             self._primary = None
-        self._remove_param_hooks()
-        self._hooked = [weakref.ref(p) if p is not None else None for p in params]
-        for i, p in enumerate(params):
-            if p is not None:
-                self._param_hooks.append(p.register_post_accumulate_grad_hook(partial(self.on_param_grad, i)))
-        return True
+            self._probe = None
+        if changed:
+            self._remove_param_hooks()
+            self._hooked = [weakref.ref(p) if p is not None else None for p in params]
+        if self._per_param and not self._param_hooks:
+            self._param_hooks = [p.register_post_accumulate_grad_hook(partial(self.on_param_grad, i))
+                                 for i, p in enumerate(params) if p is not None]
+        elif not self._per_param and self._param_hooks:
+            self._remove_param_hooks()
+        return changed
 
     def _remove_param_hooks(self) -> None:
         handles, self._param_hooks = self._param_hooks, []
@@ -461,6 +585,8 @@ class Recorder:
             return
         for records in self._each_records(*S.FORWARD):
             records.drop_pending()
+        self._blocks.drop()
+        self._in_root = True
         t0 = perf_counter()
         try:
             if self._at[S.BLOCK] and self._training_forward(module):
@@ -470,21 +596,36 @@ class Recorder:
         finally:
             self.overhead += perf_counter() - t0
 
-    def on_block(self, block: int, module: nn.Module, inputs: Any, output: Any) -> None:
-        """A direct child of the root module returned: one small reduction, every step."""
-        if _compiling():
+    def on_root_exit(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """The root's forward ended, returned or raised (``always_call``)."""
+        self._in_root = False
+
+    def on_block(self, block: int, layer: Optional[int], module: nn.Module, inputs: Any, output: Any) -> None:
+        """A top-level block returned: its check waits for the end of the forward on an
+        ordinary step (:class:`BlockChecks`), else one small reduction now. Called alone,
+        outside the root's forward, its output marks the start of the backward."""
+        if layer is not None:
+            self.on_forward(layer, module, inputs, output)
+        if torch.compiler.is_compiling():  # see _compiling; called directly: this runs per block per step
+            self._compiled = True
             return
         t0 = perf_counter()
         try:
             if self._training_forward(module):
-                self._record_forward(S.BLOCK, block, output)
+                if not (self._defer_blocks and self._blocks.defer(block, output)):
+                    self._record_forward(S.BLOCK, block, output)
+                if not self._in_root:
+                    self._watch_backward(output)
         except Exception as exc:
             self.errors.record("forward", exc)
         finally:
             self.overhead += perf_counter() - t0
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
-        if not (self.detail_now or self._at[S.LAYER]) or _compiling():
+        if _compiling():
+            self._compiled = True
+            return
+        if not (self.detail_now or self._at[S.LAYER]):
             return
         t0 = perf_counter()
         try:
@@ -521,23 +662,39 @@ class Recorder:
         forward, not inside it), so end-of-backward measurement works under compile."""
         if not self.active:
             return
+        t0 = perf_counter()
+        alias: Tuple[int, ...] = ()
         try:
             if self._at[S.BLOCK] and self._training_forward(module):
-                self._record_forward(S.BLOCK, self.blocks + 1, output)
+                last = self._blocks.last()
+                if last is not None and output is last[1] and output._version == last[2]:
+                    alias = (self.blocks + 1,)  # the last block's output, unchanged: its record
+                else:
+                    self._record_forward(S.BLOCK, self.blocks + 1, output)
         except Exception as exc:
             self.errors.record("forward", exc)
-        t0 = perf_counter()
+        self._flush_blocks(alias)
         self._last_record.clear()
         self._commit(self._each_records(*S.FORWARD), "forward")
         self.overhead += perf_counter() - t0
         if not torch.is_grad_enabled():
             return
         try:
-            for t in iter_tensors(output):
-                if t.requires_grad:
-                    t.register_hook(self._on_backward_start)
+            self._watch_backward(output)
         except Exception as exc:
             self.errors.record("backward", exc)
+
+    def _watch_backward(self, output: Any) -> None:
+        """The gradient of ``output`` is the first thing a backward through it computes."""
+        for t in iter_tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._on_backward_start)
+
+    def _flush_blocks(self, alias: Sequence[int] = ()) -> None:
+        try:
+            self._blocks.flush([(st, self._records[st.name]) for st in self._at[S.BLOCK]], alias)
+        except Exception as exc:
+            self.errors.record("forward", exc)
 
     def _commit(self, records: Iterable[_Records], stage: str) -> None:
         """Commit each statistic's pending records; one whose raw records fail to combine
@@ -554,8 +711,28 @@ class Recorder:
             return
         try:
             self._enter_backward()
+            task = _graph_task_id()
+            if task != self._seen_task:
+                self._seen_task = task
+                self._accumulated = self._accumulated or self._accumulates()
         except Exception as exc:
             self.errors.record("backward", exc)
+
+    def _accumulates(self) -> bool:
+        """Whether the running backward accumulates into a monitored parameter's ``.grad``
+        (not ``torch.autograd.grad``, not ``backward(inputs=...)`` over other tensors): asked
+        of the parameter that answered yes last time first, so usually once."""
+        known = self._probe() if self._probe is not None else None
+        try:
+            if known is not None and _will_accumulate(known):
+                return True
+            for p in self.current_params():
+                if p is not None and _will_accumulate(p):
+                    self._probe = weakref.ref(p)
+                    return True
+        except RuntimeError:
+            return False  # torch.autograd.grad: it accumulates nothing
+        return False
 
     def _enter_backward(self) -> None:
         """First hook of a backward pass: queue its end-of-backward callback once. A pass
@@ -583,6 +760,7 @@ class Recorder:
         t0 = perf_counter()
         try:
             # OUTPUT too: reentrant checkpointing re-runs forwards inside backward
+            self._flush_blocks()
             self._last_record.clear()
             self._commit(self._records.values(), "backward")
             # Without an accumulated gradient (torch.autograd.grad, .grad assigned by
@@ -593,6 +771,7 @@ class Recorder:
                 self._accumulated = True
             if self._accumulated or self.sharded:
                 self._accumulated = False
+                self._step_seen = _graph_task_id() == self._seen_task
                 self._scale = amp.scale_tensor(self.scaler)
                 self._fresh_backward = True  # even if measuring fails: the step must still count
                 self._measured_at_step = False
@@ -604,21 +783,23 @@ class Recorder:
             self.overhead += perf_counter() - t0
 
     def _measure_grads(self) -> None:
-        present: List[int] = []
-        grads: List[torch.Tensor] = []
-        for i, p in enumerate(self.current_params()):
-            g = p.grad if p is not None else None
-            if g is None and i in self._flat_of:
-                g = _empty_shard(p, self._flat_of[i]())
-            if g is not None:
-                present.append(i)
-                # a shard's own elements, summed at the step (a plain tensor is its own)
-                grads.append(g if type(g) is torch.Tensor else sharded.local(g))
+        self._params_now = params = self.current_params()
+        every = [p.grad if p is not None else None for p in params]
+        for i, ref in self._flat_of.items():
+            if every[i] is None:
+                every[i] = _empty_shard(params[i], ref())
+        present = [i for i, g in enumerate(every) if g is not None]
+        grads = every if len(present) == len(every) else [every[i] for i in present]
+        if set(map(type, grads)) - {torch.Tensor}:
+            # a shard's own elements, summed at the step (a plain tensor is its own)
+            grads = [g if type(g) is torch.Tensor else sharded.local(g) for g in grads]
         for st in self._at[S.PARAM_GRAD]:
             self._batched.pop(st.name, None)
+        numels = list(map(torch.Tensor.numel, grads))
         for st in self._at[S.PARAM_GRAD] if grads else ():
             rows, order = st.record(grads, grads[0].device)
-            self._batched[st.name] = (rows, tuple(present[j] for j in order), tuple(grads[j].numel() for j in order))
+            self._batched[st.name] = (rows, tuple(map(present.__getitem__, order)),
+                                      tuple(map(numels.__getitem__, order)))
 
     # -- observed values -------------------------------------------------------------
 
@@ -681,6 +862,7 @@ class Recorder:
                 self._measured_at_step = True
                 self._scale = amp.scale_tensor(self.scaler)
                 self._measure_grads()
+                self._unseen = self._unseen or bool(self._batched)
         except Exception as exc:
             self._measure_failed = True
             self.errors.record("step", exc)
@@ -765,6 +947,7 @@ class Recorder:
             try:
                 self._measured_at_step = True
                 self._measure_grads()
+                self._unseen = self._unseen or bool(self._batched)
             except Exception as exc:
                 self.errors.record("step", exc)
             finally:
@@ -818,11 +1001,27 @@ class Recorder:
         self._last_closed = "optimizer" if by_optimizer else "manual"
         self.steps += 1
         self.detail_now = self.steps % self.cfg.detail_every == 0
+        # on a detail step a block that is a layer takes its extremes from its activation record
+        self._defer_blocks = self._batch_blocks and not self.detail_now
         try:
-            self.hook_params()  # parameters replaced since the last step get their hooks
+            self._next_hooks()
         except Exception as exc:
             self.errors.record("step", exc)
         self.overhead += perf_counter() - t0
+
+    def _next_hooks(self) -> None:
+        """The hooks the next step needs, and only those: per-parameter hooks while a
+        backward gradmon did not see may come (or LOCAL_GRAD reads them), the layers'
+        forward hooks on the steps that read them. Under torch.compile hooks stay as they
+        are (adding or removing one would recompile the model)."""
+        self._per_param = (self._unseen or bool(self._at[S.LOCAL_GRAD]) or self._compiled
+                           or (self._per_param and not self._step_seen))
+        self._step_seen = False
+        # parameters replaced since the last step are measured from now on
+        self.hook_params(self._params_now)
+        self._params_now = None
+        if self.layer_hooks is not None:
+            self.layer_hooks.want(self.detail_now or bool(self._at[S.LAYER]) or self._compiled)
 
     def _close_step(self) -> None:
         self._batched = {}
@@ -835,6 +1034,7 @@ class Recorder:
         self._measured_at_step = False
         self._loss_sum = None
         self._loss_count = 0
+        self._blocks.drop()
         self._reset_records()
 
     def _reduce_shards(self) -> None:
@@ -892,20 +1092,27 @@ class Recorder:
             rows, keys, numels = self._batched[st.name]
             blocks = [rows]
         else:
-            committed = self._records[st.name].committed()
-            if not committed:
+            records = self._records[st.name]
+            committed = records.committed()
+            if not committed and not records.rows:
                 return None
-            home = home or committed[0][2][0].device
+            home = home or (committed[0][2][0] if committed else records.rows[0][2][0]).device
             try:
-                blocks = _stack_parts(st, committed, home)
+                blocks = _stack_parts(st, committed, home) if committed else []
             except Exception as exc:  # a tensor subclass's records: the plain ones go on
                 self.errors.record("step", exc)
                 committed = [rec for rec in committed if all(type(part) is torch.Tensor for part in rec[2])]
-                if not committed:
-                    return None
-                blocks = _stack_parts(st, committed, home)
+                blocks = _stack_parts(st, committed, home) if committed else []
             keys = tuple(key for key, _, _ in committed)
             numels = tuple(numel for _, numel, _ in committed)
+            if records.rows:
+                keys += tuple(key for rows in records.rows for key in rows[0])
+                numels += tuple(numel for rows in records.rows for numel in rows[1])
+                blocks = [torch.cat([b.reshape(len(b), -1).to(home) for b in ([blocks[j]] if blocks else [])
+                                     + [rows[2][j] for rows in records.rows]])
+                          for j in range(len(st.parts))]
+            if not keys:
+                return None
         home = home or blocks[0].device
         ship = stats._ship_dtype(home)
         out = []
@@ -922,6 +1129,31 @@ def _stack_parts(st: Statistic, records: Sequence[Tuple[int, int, Sequence[torch
     return [stats.stack_records([rec[2][j] for rec in records], home) for j in range(len(st.parts))]
 
 
+class LayerHooks:
+    """The layers' forward hooks, registered only for the steps that read them (detail
+    steps, or every step with ``origin_per_layer``): a module with a forward hook leaves
+    PyTorch's fast call path, which alone costs about a microsecond a call."""
+
+    def __init__(self, layers: Sequence[Layer], hook: Callable[..., None]) -> None:
+        self._layers = [(layer.index, weakref.ref(layer.module)) for layer in layers]
+        self._hook = hook
+        self._handles: List[Any] = []
+
+    def want(self, on: bool) -> None:
+        if on and not self._handles:
+            for index, ref in self._layers:
+                module = ref()
+                if module is not None:
+                    self._handles.append(module.register_forward_hook(partial(self._hook, index)))
+        elif not on and self._handles:
+            self.remove()
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+
 class HookSet:
     """Owns every hook one monitor registered; ``remove()`` undoes all of them."""
 
@@ -931,16 +1163,27 @@ class HookSet:
     def install(self, recorder: Recorder, root: nn.Module, layers: Sequence[Layer], cfg: Config,
                 blocks: Sequence[nn.Module] = ()) -> None:
         try:
-            if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER):
-                for layer in layers:
-                    self._handles.append(layer.module.register_forward_hook(
-                        partial(recorder.on_forward, layer.index)))
+            # A layer that is also a block is recorded by its block hook, layer first (the
+            # block's extremes are then taken from the layer's activation record), since
+            # the layers' own hooks come and go and would then run after the block's.
+            both: Dict[int, int] = {}
             if recorder.statistics_at(S.BLOCK):
                 recorder.blocks = len(blocks)
+                index = {id(layer.module): layer.index for layer in layers}
+                layered = bool(recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER))
                 for key, block in enumerate(blocks, start=1):
-                    self._handles.append(block.register_forward_hook(partial(recorder.on_block, key)))
+                    if layered and id(block) in index:
+                        both[id(block)] = index[id(block)]
+                    self._handles.append(block.register_forward_hook(
+                        partial(recorder.on_block, key, both.get(id(block)))))
+            if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER):
+                recorder.layer_hooks = LayerHooks([layer for layer in layers if id(layer.module) not in both],
+                                                  recorder.on_forward)
+                self._handles.append(recorder.layer_hooks)
+                recorder.layer_hooks.want(True)  # the first step is a detail step
             self._handles.append(root.register_forward_pre_hook(recorder.on_root_forward_pre, with_kwargs=True))
             self._handles.append(root.register_forward_hook(recorder.on_root_forward))
+            self._handles.append(root.register_forward_hook(recorder.on_root_exit, always_call=True))
             if recorder.scaler is not None:
                 self._handles.append(amp.UpdateHook(recorder.scaler, recorder.on_scaler_update))
             recorder.hook_params()

@@ -188,6 +188,11 @@ class Statistic:
     not read again. A layer that is also one of the root's direct children (an LLM's
     embedding, final norm and head, whose output, the logits, is its largest tensor) has
     its block extremes in the activation record of a detail step."""
+    record_many: Optional[Callable[[Sequence[torch.Tensor], torch.device], Tuple[torch.Tensor, ...]]] = None
+    """For a statistic recorded every step of many small tensors (BLOCK): ``record_many(
+    tensors, home)`` returns one (n, width) block per part and, last, the row order (row j
+    describes ``tensors[order[j]]``): a few kernels for all of a forward's records where
+    ``record`` would launch its own per tensor."""
     dtypes: Optional[Tuple[torch.dtype, ...]] = None
     """Record only tensors of these dtypes (None: every floating dtype). A layer none of
     whose tensors qualifies has no record, hence no series: the dtype is host metadata,
@@ -333,7 +338,8 @@ LOCAL = Statistic(
 BLOCK_FINITE = Statistic(
     "block_finite", None, BLOCK, ((Column("lo", MIN),), (Column("hi", MAX),)),
     lambda output: stats.extremes(output), origin=M.TENSOR_BLOCK,
-    derive=("activation", lambda parts: (parts[0][1], parts[0][2])))
+    derive=("activation", lambda parts: (parts[0][1], parts[0][2])),
+    record_many=lambda outputs, home: stats.extremes_many(outputs, home))
 
 # The same, per layer and on every step when asked for (origin_per_layer): the layer a
 # NaN started in is then named on any step, not only on detail steps.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -291,16 +292,14 @@ def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple
     and the host undoes the grouping, because scattering them back on the device would
     need an index tensor copied from the host.
     """
-    by_group: Dict[Tuple[torch.device, torch.dtype], List[int]] = defaultdict(list)
-    dense = [_dense(g) for g in grads]
-    for i, g in enumerate(dense):
-        by_group[(g.device, g.dtype)].append(i)
+    dense = [_dense(g) for g in grads] if any(map(_IS_SPARSE, grads)) else grads
+    numels = list(map(torch.Tensor.numel, dense))
     ship = _ship_dtype(home)
     blocks: List[torch.Tensor] = []
     order: List[int] = []
-    for (_device, dtype), idx in by_group.items():
+    for (_device, dtype, small), idx in _groups(dense, numels).items():
         group = [dense[i] for i in idx]
-        norms = _norms(group, dtype)
+        norms = _norms(group, dtype, small)
         if _host_says_finite(norms):
             counts = torch.zeros((len(group), 2), dtype=ship, device=norms.device)
         else:
@@ -311,17 +310,97 @@ def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple
     return rows, tuple(order)
 
 
-def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_IS_CUDA = operator.attrgetter("is_cuda")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _groups(tensors: Sequence[torch.Tensor], numels: Sequence[int]
+            ) -> Dict[Tuple[torch.device, torch.dtype, bool], List[int]]:
+    """Positions of ``tensors`` by (device, dtype, small): the reductions' groups; a small
+    tensor (below ``_DOT_MIN`` elements) costs less to copy than to launch a kernel for. Read
+    with C-level maps (a model's thousands of gradients all share one device and dtype),
+    not a Python loop of attribute reads per tensor."""
+    # a device index and the CUDA flag: reading ``.device`` builds an object per tensor
+    kinds = set(zip(map(torch.Tensor.get_device, tensors), map(_IS_CUDA, tensors), map(_DTYPE, tensors)))
+    if len(kinds) == 1:
+        device, dtype = tensors[0].device, tensors[0].dtype
+        small = [i for i, n in enumerate(numels) if n < _DOT_MIN]
+        if len(small) == len(numels):
+            return {(device, dtype, True): small}
+        large = [i for i, n in enumerate(numels) if n >= _DOT_MIN]
+        return {key: idx for key, idx in (((device, dtype, True), small), ((device, dtype, False), large)) if idx}
+    groups: Dict[Tuple[torch.device, torch.dtype, bool], List[int]] = defaultdict(list)
+    for i, (t, n) in enumerate(zip(tensors, numels)):
+        groups[(t.device, t.dtype, n < _DOT_MIN)].append(i)
+    return groups
+
+
+def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool) -> torch.Tensor:
     """L2 norms of tensors of one device and ``dtype``, stacked: one multi-tensor kernel,
-    except that on the CPU, where ``_foreach_norm`` is a loop over ``vector_norm``, the
-    large float32/float64 ones take :func:`_l2`'s dot product (~25 % less in all on the
-    reference benchmark's gradients)."""
+    except on the CPU, where ``_foreach_norm`` is a loop over ``vector_norm`` (a dispatch
+    per tensor, the whole cost of a small one): there the small float32/float64 ones are
+    copied into one vector and reduced by segment (:func:`_segment_norms`), and the large
+    ones take :func:`_l2`'s dot product (~25 % less than vector_norm on the reference
+    benchmark's gradients)."""
     low = torch.float32 if dtype in _LOW_PRECISION else None
     if group[0].device.type != "cpu" or low is not None:
         return torch.stack(torch._foreach_norm(group, 2, dtype=low))
-    large = [g.numel() >= _DOT_MIN and g.is_contiguous() for g in group]
-    rest = iter(torch._foreach_norm([g for g, big in zip(group, large) if not big], 2)) if not all(large) else None
-    return torch.stack([_l2(g) if big else next(rest) for g, big in zip(group, large)])
+    if small:
+        return _segment_norms(group)
+    return torch.stack([_l2(g) for g in group])
+
+
+def _flat(group: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(one 1-D copy of every tensor of ``group``, in order; their lengths on its device).
+    One C++ call however many tensors: no Python and no kernel dispatch per tensor."""
+    flat = torch._C._nn.flatten_dense_tensors(list(group))
+    return flat, _lengths(tuple(map(torch.Tensor.numel, group)), flat.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths(lengths: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # the same few layouts come back every step: built and copied once each
+    return host_values(lengths, device, torch.int64)
+
+
+def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norms of small float32/float64 tensors: squared in their own dtype, so that they
+    overflow as :func:`_l2` and vector_norm do (a finite norm proves a tensor finite, and
+    a float32 norm past float32's range is Inf whichever path took it), summed in float64."""
+    flat, lengths = _flat(group)
+    return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths).sqrt_()
+
+
+@torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
+def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device
+                  ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """(lo, hi, order): the min and max of each of ``tensors`` as two (n, 1) columns on
+    ``home`` in the ship dtype, row j describing ``tensors[order[j]]``. The check of many
+    small outputs at once (the top-level blocks of a forward): those of one device and
+    dtype are copied into one vector and reduced by segment, three kernels in all where
+    :func:`extremes` would dispatch one per tensor; a large one gets its own ``aminmax``.
+    NaN propagates through both, and an Inf keeps its sign, as in :func:`extremes`."""
+    groups = _groups(tensors, list(map(torch.Tensor.numel, tensors)))
+    ship = _ship_dtype(home)
+    los: List[torch.Tensor] = []
+    his: List[torch.Tensor] = []
+    order: List[int] = []
+    for (_device, dtype, small), idx in groups.items():
+        group = [tensors[i] for i in idx]
+        if small:
+            flat, lengths = _flat(group)
+            if dtype in _LOW_PRECISION:
+                flat = flat.float()  # every fp16/bf16 value is exact in float32
+            lo = torch.segment_reduce(flat, "min", lengths=lengths)
+            hi = torch.segment_reduce(flat, "max", lengths=lengths)
+        else:
+            lo, hi = (torch.stack(part) for part in zip(*(torch.aminmax(t) for t in group)))
+        los.append(lo.to(home, ship, non_blocking=True))
+        his.append(hi.to(home, ship, non_blocking=True))
+        order.extend(idx)
+    lo, hi = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (los, his))
+    return lo.unsqueeze(1), hi.unsqueeze(1), tuple(order)
 
 
 def pack(parts: Sequence[torch.Tensor], home: torch.device) -> torch.Tensor:

@@ -1,0 +1,213 @@
+"""gradmon's host cost on an ordinary step, checked by structure rather than by timing
+(issue 26): how many times Python is entered from PyTorch, and what each entry costs, must
+not grow with the layers; the guarantees that cost paid for before still hold."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Callable, List
+
+import pytest
+import torch
+from torch import nn
+
+import gradmon
+from conftest import fresh, value
+
+GRADMON_DIR = os.path.dirname(gradmon.__file__)
+
+
+def _in_gradmon(frame) -> bool:
+    return frame is not None and frame.f_code.co_filename.startswith(GRADMON_DIR)
+
+
+def _called_by_gradmon(frame) -> bool:
+    while frame is not None:
+        if _in_gradmon(frame):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Entries:
+    """Counts the calls that enter gradmon's code from PyTorch or the training loop with
+    no gradmon frame below (a hook, a callback, an optimizer step hook) while active, by
+    the name of the function entered."""
+
+    def __init__(self) -> None:
+        self.names: List[str] = []
+
+    def _profile(self, frame, event, arg) -> None:
+        if event == "call" and _in_gradmon(frame) and not _called_by_gradmon(frame.f_back):
+            self.names.append(frame.f_code.co_name)
+
+    def __enter__(self) -> "Entries":
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+
+
+def chain(blocks: int, layers_per_block: int = 1) -> nn.Module:
+    """``blocks`` top-level blocks, each ``layers_per_block`` Linear+Tanh pairs."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(*(m for _ in range(layers_per_block) for m in (nn.Linear(8, 8), nn.Tanh())))
+                           for _ in range(blocks)))
+
+
+def sgd_step(model: nn.Module, opt: torch.optim.Optimizer, forward: Callable[[torch.Tensor], torch.Tensor],
+             clip: float = 0.0) -> float:
+    forward(torch.randn(4, 8)).square().mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item() if clip else 0.0
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return norm
+
+
+def entries_of_an_ordinary_step(model: nn.Module) -> List[str]:
+    """One monitor alone in the process: another's global optimizer hooks would count."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    try:
+        for _ in range(3):  # past the detail step 0 and the first step's probing
+            sgd_step(model, opt, model)
+        assert not mon._recorder.detail_now
+        with Entries() as seen:
+            sgd_step(model, opt, model)
+        return seen.names
+    finally:
+        mon.detach()
+
+
+def test_an_ordinary_step_enters_python_once_per_block_and_a_few_times_per_step():
+    few = entries_of_an_ordinary_step(chain(10))
+    many = entries_of_an_ordinary_step(chain(40))
+    assert len(many) - len(few) == 30, (len(few), len(many))
+    assert many.count("on_block") == 40
+    # the root's three hooks, the backward's start and its two callbacks, the optimizer's two
+    assert len(many) - 40 == 8, sorted(set(many))
+
+
+def test_layers_inside_a_block_cost_no_python_call_on_an_ordinary_step():
+    flat = entries_of_an_ordinary_step(chain(8, layers_per_block=1))
+    deep = entries_of_an_ordinary_step(chain(8, layers_per_block=6))
+    assert len(deep) == len(flat), (sorted(flat), sorted(deep))
+    assert "on_forward" not in deep and "on_param_grad" not in deep
+
+
+def test_a_detail_step_still_records_every_layer(attach):
+    model = chain(4, layers_per_block=3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model, detail_every=5)
+    for _ in range(5):
+        sgd_step(model, opt, model)
+    assert mon._recorder.detail_now
+    with Entries() as seen:
+        sgd_step(model, opt, model)
+    assert seen.names.count("on_forward") == 12  # the layers' hooks are back for the detail step
+    with Entries() as seen:
+        sgd_step(model, opt, model)
+    assert "on_forward" not in seen.names  # and gone again after it
+
+
+def test_the_block_checks_of_an_ordinary_forward_are_one_batched_call(attach, monkeypatch):
+    from gradmon import stats
+    single, batched = [], []
+    real, real_many = stats.extremes, stats.extremes_many
+    monkeypatch.setattr(stats, "extremes", lambda x: single.append(x.shape) or real(x))
+    monkeypatch.setattr(stats, "extremes_many", lambda xs, home: batched.append(len(xs)) or real_many(xs, home))
+    model = chain(12)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model)
+    for _ in range(3):
+        sgd_step(model, opt, model)
+    single.clear(), batched.clear()
+    sgd_step(model, opt, model)
+    assert not mon._recorder.detail_now
+    assert single == [torch.Size([4, 8])]  # the batch alone (block #0)
+    assert batched == [12]  # every block's output in one call; the root's output is the last block's
+
+
+class Deep(nn.Module):
+    """A model whose training loop may call a module two levels down: no root output, no
+    top-level block output marks its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("when", ["from the first step", "after steps through the root"])
+def test_norms_stay_pre_clip_when_the_loop_calls_a_module_gradmon_sees_no_output_of(attach, when):
+    model = Deep()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model)
+    inner = model.body[0]
+    rooted = 3 if when == "after steps through the root" else 0
+    for _ in range(rooted):
+        sgd_step(model, opt, model, clip=1e-4)
+    if rooted:
+        assert not any(p._post_accumulate_grad_hooks for p in model.parameters())  # dropped: not needed
+        sgd_step(model, opt, inner, clip=1e-4)  # unseen: measured at the optimizer step, hooks come back
+    for step in range(3):
+        returned = sgd_step(model, opt, inner, clip=1e-4)
+        assert returned > 1e-3  # the clip did something
+        s = fresh(mon)
+        assert math.isclose(value(s, "gradmon_grad_global_norm"), returned, rel_tol=1e-5), step
+
+
+class ChangeInPlace(nn.Module):
+    """Changes its input in place and returns it: on every step (a ``ReLU(inplace=True)``
+    sibling) or only on the poisoned one; ``poison`` makes the change a NaN."""
+
+    def __init__(self, every_step: bool) -> None:
+        super().__init__()
+        self.every_step = every_step
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.poison:
+            return x.mul_(math.nan)
+        return x.mul_(1.0) if self.every_step else x * 1.0
+
+
+@pytest.mark.parametrize("every_step", [True, False], ids=["changed every step", "changed once"])
+def test_a_block_output_changed_in_place_later_is_not_blamed_for_the_change(attach, every_step):
+    """The batched check reads a block's output at the end of the forward: one that a later
+    block changed in place (the version counter says so) must not carry that change."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 8), ChangeInPlace(every_step), nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model)
+    for step in range(6):
+        model[1].poison = step == 4
+        sgd_step(model, opt, model)
+    found = {dict(ls)["tensor"]: dict(ls)["layer"] for (n, ls), v in fresh(mon).items()
+             if n == "gradmon_nonfinite_origin_step"}
+    assert found["block"] == "1", found
+
+
+def test_the_layer_scaling_benchmark_reports_both_kinds_of_step_for_every_model(tmp_path):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_layers.py"
+    out = tmp_path / "layers.json"
+    r = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert [row["model"] for row in rows] == ["chain-10", "transformer-1000"]
+    assert rows[1]["layers"] == 1000
+    for row in rows:
+        for kind in ("ordinary", "detail"):
+            assert row[kind]["steps"] > 0 and row[kind]["twin_ms"] > 0, (row["model"], kind)
+            assert row[kind]["fold_us_per_layer"] > 0  # the publisher's clock was read
