@@ -136,9 +136,9 @@ class Monitor:
         the host in the step's one packet. Bad input (a non-scalar tensor, a string) is
         counted in ``gradmon_hook_errors_total{stage="observe"}``, never raised.
 
-        ``batch`` is the micro-batch's sample ids, row by row (a list or tuple of ints or
-        strings, or a 1-D integer tensor, copied on its device and read only at an
-        incident): an incident bundle names the ids of the rows that went non-finite.
+        ``batch`` is the micro-batch's sample ids, row by row (a list, tuple or range of
+        ints or strings, a 1-D NumPy array, or a 1-D integer tensor, copied on its device
+        and read only at an incident): an incident bundle names the ids of the rows that went non-finite.
         Anything else is a TypeError here, like a wrong ``step()`` number."""
         if batch is not None:
             ids = incidents.check_batch_ids(batch)

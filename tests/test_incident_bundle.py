@@ -168,6 +168,12 @@ def test_observe_batch_with_something_other_than_ids_is_a_type_error(attach, ids
         mon.observe(batch=ids)
 
 
+@pytest.mark.parametrize("ids, kept", [((3, 4), [3, 4]), (np.array([7, 8]), [7, 8]), (["a", np.int64(2)], ["a", 2]),
+                                       (range(2), [0, 1])])
+def test_observe_batch_takes_ints_and_strings_from_lists_tuples_ranges_and_numpy(ids, kept):
+    assert list(R.check_batch_ids(ids)) == kept
+
+
 def test_observe_batch_takes_an_integer_tensor_copied_on_its_device(attach, monkeypatch, tmp_path):
     monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
     model = W.TinyTransformer()

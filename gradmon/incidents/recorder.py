@@ -51,9 +51,11 @@ def check_batch_ids(ids: object) -> object:
             raise TypeError(f"gradmon: Monitor.observe(batch=...) takes a 1-D integer tensor of sample ids, got a "
                             f"{ids.dim()}-D {ids.dtype} tensor")
         return ids.detach().reshape(-1)[:MAX_IDS].clone()
+    if type(ids).__module__ == "numpy" and getattr(ids, "ndim", None) == 1:
+        ids = ids.tolist()  # a sampler's index array: host memory already
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, range)):
         raise TypeError(f"gradmon: Monitor.observe(batch=...) takes the batch's sample ids: a list or tuple of "
-                        f"ints or strings, or a 1-D integer tensor; got {type(ids).__name__}")
+                        f"ints or strings, a 1-D integer tensor or NumPy array; got {type(ids).__name__}")
     out = []
     for x in ids[:MAX_IDS]:
         if isinstance(x, str):
