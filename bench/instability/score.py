@@ -101,12 +101,8 @@ class RunScore:
         return next((self._step(k) for k, x in enumerate(on) if x), None)
 
     def names(self, severity: str) -> List[str]:
-        seen: Dict[str, None] = {}
-        for f in self.firing:
-            for name, s in f:
-                if s == severity:
-                    seen.setdefault(name, None)
-        return list(seen)
+        """The alerts of ``severity`` that fired at all, sorted (a report reads the same every time)."""
+        return sorted({name for f in self.firing for name, s in f if s == severity})
 
     def firing_fraction(self, severity: str) -> float:
         on = self.on(severity)
