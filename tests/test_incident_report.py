@@ -157,3 +157,15 @@ def test_a_malformed_bundle_is_refused_cleanly_with_a_nonzero_status(real_bundle
 def test_a_missing_file_is_refused_cleanly(tmp_path):
     out = incident(str(tmp_path / "nothing.npz"), cwd=tmp_path)
     assert out.returncode == 2 and "cannot read it" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("world, says", [(1, "origin: no block: the forward stayed finite"),
+                                         (2, "origin: not on this rank")])
+def test_a_finite_forward_is_blamed_on_the_backward_alone_in_a_one_rank_job(real_bundle, tmp_path, world, says):
+    def finite_forward(meta: dict) -> None:
+        meta["incident"]["origin_here"] = False
+        meta["run"]["world_size"] = world
+
+    out = incident(str(rewritten(real_bundle, tmp_path / "b.npz", finite_forward)), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert says in out.stdout

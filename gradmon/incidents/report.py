@@ -53,6 +53,9 @@ def origin_text(b: B.Bundle, others: List[B.Bundle]) -> str:
     if origins:
         return "; ".join(f"rank {_s(o.meta['run'].get('rank'))}, block {_s(o.meta['incident'].get('block'))} "
                          f"(its bundle: {_s(o.path)})" for o in origins)
+    if (b.meta["run"].get("world_size") or 1) <= 1:
+        # One rank and a finite forward: the first non-finite value was made in the backward.
+        return "no block: the forward stayed finite, the gradients went non-finite in the backward"
     return ("not on this rank: its forward stayed finite (the gradients went non-finite in the reduction); "
             "the origin rank's bundle says origin_here")
 
