@@ -295,10 +295,12 @@ class BlockChecks:
     def drop(self) -> None:
         self.waiting, self.probing = [], []
 
-    def flush(self, into: Sequence[Tuple[Statistic, "_Records"]], alias: Sequence[int] = ()) -> None:
+    def flush(self, into: Sequence[Tuple[Statistic, "_Records"]], alias: Sequence[int] = (),
+              rows: Optional["BatchRows"] = None) -> None:
         """Check the waiting outputs: one batch of rows per statistic (``record_many``) into
         its records; ``alias`` are more keys whose record is the last waiting output's (the
-        root's output, when it is the last block's, unchanged)."""
+        root's output, when it is the last block's, unchanged). ``BLOCK_FINITE`` checks
+        them by batch row, into ``rows``, where the batch is known."""
         waiting, probing = self.waiting, self.probing
         self.drop()
         for key, t, version in probing:
@@ -314,7 +316,12 @@ class BlockChecks:
         every_key = [entry[0] for entry in kept]
         every_numel = list(map(torch.Tensor.numel, tensors))
         for st, records in into:
-            *parts, order = st.record_many(tensors, tensors[0].device)
+            if st is S.BLOCK_FINITE and rows is not None and rows.size is not None:
+                per_row: List[Tuple[int, torch.Tensor]] = []
+                *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row)
+                rows.pending.extend((every_key[i], r) for i, r in per_row)
+            else:
+                *parts, order = st.record_many(tensors, tensors[0].device)
             keys = list(map(every_key.__getitem__, order))
             numels = list(map(every_numel.__getitem__, order))
             if alias:
@@ -323,6 +330,45 @@ class BlockChecks:
                 numels += [numels[at]] * len(alias)
                 parts = [torch.cat((part, part[at:at + 1].expand(len(alias), -1))) for part in parts]
             records.add_rows(keys, numels, parts)
+
+
+class BatchRows:
+    """Which batch rows of each top-level block's output went non-finite: the block check's
+    per-row result (``stats.extremes``/``extremes_many`` given the batch), kept as device
+    tensors for the step's packet and read on the host only at an incident (publisher
+    thread). The batch is the root input's first dimension; a block output whose first
+    dimension is another size has no rows, nor has any output of a forward whose batch
+    cannot be told (:func:`batch_size`)."""
+
+    __slots__ = ("size", "pending", "kept")
+
+    def __init__(self) -> None:
+        self.size: Optional[int] = None  # rows of this forward's batch
+        self.pending: List[Tuple[int, torch.Tensor]] = []  # (block key, (size, 2) [min, max] per row)
+        self.kept: List[Tuple[int, torch.Tensor]] = []  # this step's completed forwards', in order
+
+    def start(self, root: nn.Module, args: Any, kwargs: Any) -> None:
+        self.pending, self.size = [], None
+        self.size = batch_size(root, args, kwargs)
+
+    def commit(self) -> None:
+        self.kept.extend(self.pending)
+        self.pending = []
+
+    def take(self) -> Tuple[Tuple[int, torch.Tensor], ...]:
+        kept, self.kept, self.pending = tuple(self.kept), [], []
+        return kept
+
+
+def batch_size(root: nn.Module, args: Any, kwargs: Any) -> Optional[int]:
+    """The root input's batch size: the first dimension of its first tensor; None where
+    it cannot be told (a packed sequence, a sequence-first recurrent root, no tensor)."""
+    if isinstance(root, nn.RNNBase) and not root.batch_first:
+        return None
+    if any(isinstance(x, nn.utils.rnn.PackedSequence) for x in (*args, *(kwargs or {}).values())):
+        return None
+    first = next((t for t in iter_tensors((args, kwargs)) if t.dim() > 0), None)
+    return int(first.shape[0]) if first is not None else None
 
 
 def _will_accumulate(p: torch.Tensor) -> bool:
@@ -393,6 +439,7 @@ class Recorder:
         self._seen_task = -2  # graph task that passed through an output gradmon watches
         self._probe: Optional[weakref.ref] = None  # the parameter that last answered _accumulates
         self._blocks = BlockChecks()
+        self._rows = BatchRows()
         self._in_root = False  # inside the root's forward
         self.layer_hooks: Optional[LayerHooks] = None  # set by HookSet.install
         self._compiled = False  # a hook ran inside a compiled region: hooks stay as they are
@@ -459,6 +506,7 @@ class Recorder:
         self._scratch = None
         self._params_now = None
         self._blocks = BlockChecks()
+        self._rows = BatchRows()
         self._reset_records()
 
     # -- parameter hooks -----------------------------------------------------------
@@ -524,13 +572,27 @@ class Recorder:
             for st in self._at[at]:
                 if st.dtypes is None or t.dtype in st.dtypes:
                     try:
-                        made.append((st, (st.derive is not None and self._derived(st, t)) or st.record(t)))
+                        made.append((st, self._make(st, key, t)))
                     except Exception as exc:
                         self.errors.record(stage, exc)
             # one tensor held per moment, until the next record or the end of the pass
             self._last_record[at] = (t, t._version, made)
         for st, parts in made:
             self._records[st.name].add(key, t.numel(), parts)
+
+    def _make(self, st: Statistic, key: int, t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``st``'s record of ``t`` (of record ``key``): derived from another's where it can
+        be; BLOCK_FINITE's made by batch row where ``t`` has the batch's rows (into
+        ``self._rows``). A block derived from its activation record (a direct child that is
+        a layer, on a detail step) has no rows that step: they would cost another pass."""
+        derived = st.derive is not None and self._derived(st, t)
+        if derived:
+            return derived
+        if st is S.BLOCK_FINITE and stats.has_rows(t, self._rows.size):
+            lo, hi, rows = stats.extremes(t, self._rows.size)
+            self._rows.pending.append((key, rows))
+            return lo, hi
+        return st.record(t)
 
     def _measurable(self, t: torch.Tensor, at: str, key: int) -> Optional[torch.Tensor]:
         """``measurable(t)``, saying once per kind of tensor what is skipped."""
@@ -589,6 +651,7 @@ class Recorder:
         self._in_root = True
         t0 = perf_counter()
         try:
+            self._rows.start(module, args, kwargs)
             if self._at[S.BLOCK] and self._training_forward(module):
                 self._record_forward(S.BLOCK, 0, (args, kwargs))
         except Exception as exc:
@@ -676,6 +739,7 @@ class Recorder:
         self._flush_blocks(alias)
         self._last_record.clear()
         self._commit(self._each_records(*S.FORWARD), "forward")
+        self._rows.commit()
         self.overhead += perf_counter() - t0
         if not torch.is_grad_enabled():
             return
@@ -692,7 +756,7 @@ class Recorder:
 
     def _flush_blocks(self, alias: Sequence[int] = ()) -> None:
         try:
-            self._blocks.flush([(st, self._records[st.name]) for st in self._at[S.BLOCK]], alias)
+            self._blocks.flush([(st, self._records[st.name]) for st in self._at[S.BLOCK]], alias, self._rows)
         except Exception as exc:
             self.errors.record("forward", exc)
 
@@ -983,7 +1047,7 @@ class Recorder:
         self._stepped = True
         global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
         packet = StepPacket(index, global_step, time.time(), measured_at_step=self._measured_at_step,
-                            learning_rates=S.host_learning_rates(self._learning_rates))
+                            learning_rates=S.host_learning_rates(self._learning_rates), rows=self._rows.take())
         if self._shard_groups:
             self._reduce_shards()
         try:
@@ -1035,6 +1099,7 @@ class Recorder:
         self._loss_sum = None
         self._loss_count = 0
         self._blocks.drop()
+        self._rows.take()
         self._reset_records()
 
     def _reduce_shards(self) -> None:

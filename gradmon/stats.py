@@ -99,11 +99,24 @@ def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.stack((norm, lo, hi)), counts
 
 
-def extremes(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def extremes(x: torch.Tensor, batch: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
     """(min, max) of a tensor: one reduction kernel and no full-size temporary, where
     ``isfinite(x).all()`` would allocate a bool copy as large as ``x`` (gigabytes for an
-    LLM's logits). Enough to tell a NaN or an Inf of either sign, and never overflows."""
-    return torch.aminmax(x.detach())
+    LLM's logits). Enough to tell a NaN or an Inf of either sign, and never overflows.
+
+    Given ``batch`` (``x`` :func:`has_rows`): (min, max, rows), the same pass made per
+    batch row, ``rows`` the (batch, 2) [min, max] of each row and min/max reduced from
+    them (over ``batch`` values, not the data). NaN propagates, so a row's pair says
+    whether that row holds a NaN or an Inf."""
+    if batch is None:
+        return torch.aminmax(x.detach())
+    lo, hi = torch.aminmax(x.detach().reshape(batch, -1), dim=1)
+    return lo.min(), hi.max(), torch.stack((lo, hi), dim=1)
+
+
+def has_rows(x: torch.Tensor, batch: Optional[int]) -> bool:
+    """Whether ``x``'s first dimension is the batch of ``batch`` rows."""
+    return batch is not None and x.dim() > 0 and x.shape[0] == batch and x.numel() > 0
 
 
 def extremes_and_nonzero(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -373,14 +386,20 @@ def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
-def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device
+def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int] = None,
+                  rows: Optional[List[Tuple[int, torch.Tensor]]] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
     """(lo, hi, order): the min and max of each of ``tensors`` as two (n, 1) columns on
     ``home`` in the ship dtype, row j describing ``tensors[order[j]]``. The check of many
     small outputs at once (the top-level blocks of a forward): those of one device and
-    dtype are copied into one vector and reduced by segment, three kernels in all where
+    dtype are copied into one vector and reduced by segment, a few kernels in all where
     :func:`extremes` would dispatch one per tensor; a large one gets its own ``aminmax``.
-    NaN propagates through both, and an Inf keeps its sign, as in :func:`extremes`."""
+    NaN propagates through both, and an Inf keeps its sign, as in :func:`extremes`.
+
+    Given ``batch`` and a list ``rows``, a tensor whose first dimension is the batch
+    (:func:`has_rows`) is reduced by batch row instead of whole, its lo/hi then taken from
+    its rows' (no second pass over the data), and ``(i, its (batch, 2) rows)`` is appended
+    to ``rows``, ``i`` its position in ``tensors``."""
     groups = _groups(tensors, list(map(torch.Tensor.numel, tensors)))
     ship = _ship_dtype(home)
     los: List[torch.Tensor] = []
@@ -388,19 +407,47 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device
     order: List[int] = []
     for (_device, dtype, small), idx in groups.items():
         group = [tensors[i] for i in idx]
+        split = [rows is not None and has_rows(t, batch) for t in group]
         if small:
             flat, lengths = _flat(group)
             if dtype in _LOW_PRECISION:
                 flat = flat.float()  # every fp16/bf16 value is exact in float32
-            lo = torch.segment_reduce(flat, "min", lengths=lengths)
-            hi = torch.segment_reduce(flat, "max", lengths=lengths)
+            if any(split):
+                lo, hi = _by_rows(flat, group, split, batch, idx, rows)  # type: ignore[arg-type]
+            else:
+                lo = torch.segment_reduce(flat, "min", lengths=lengths)
+                hi = torch.segment_reduce(flat, "max", lengths=lengths)
         else:
-            lo, hi = (torch.stack(part) for part in zip(*(torch.aminmax(t) for t in group)))
+            made = [extremes(t, batch) if cut else (*torch.aminmax(t), None)
+                    for t, cut in zip(group, split)]
+            if rows is not None:
+                rows.extend((i, m[2]) for i, m in zip(idx, made) if m[2] is not None)
+            lo, hi = torch.stack([m[0] for m in made]), torch.stack([m[1] for m in made])
         los.append(lo.to(home, ship, non_blocking=True))
         his.append(hi.to(home, ship, non_blocking=True))
         order.extend(idx)
     lo, hi = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (los, his))
     return lo.unsqueeze(1), hi.unsqueeze(1), tuple(order)
+
+
+def _by_rows(flat: torch.Tensor, group: Sequence[torch.Tensor], split: Sequence[bool], batch: int,
+             idx: Sequence[int], rows: List[Tuple[int, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each tensor's (lo, hi) of the flat copy of ``group``, reduced by segment: one
+    segment per batch row of a tensor ``split`` by rows, one per other tensor; each
+    tensor's lo/hi then reduced from its segments' (a second reduction over a few values
+    per tensor, not over the data). Appends each split tensor's (batch, 2) rows."""
+    segments = tuple(n for t, cut in zip(group, split)
+                     for n in ((t.numel() // batch,) * batch if cut else (t.numel(),)))
+    lo = torch.segment_reduce(flat, "min", lengths=_lengths(segments, flat.device))
+    hi = torch.segment_reduce(flat, "max", lengths=_lengths(segments, flat.device))
+    per = tuple(batch if cut else 1 for cut in split)
+    start = 0
+    for i, cut, n in zip(idx, split, per):
+        if cut:
+            rows.append((i, torch.stack((lo[start:start + n], hi[start:start + n]), dim=1)))
+        start += n
+    counts = _lengths(per, flat.device)
+    return torch.segment_reduce(lo, "min", lengths=counts), torch.segment_reduce(hi, "max", lengths=counts)
 
 
 def pack(parts: Sequence[torch.Tensor], home: torch.device) -> torch.Tensor:

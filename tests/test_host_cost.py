@@ -117,8 +117,9 @@ def test_the_block_checks_of_an_ordinary_forward_are_one_batched_call(attach, mo
     from gradmon import stats
     single, batched = [], []
     real, real_many = stats.extremes, stats.extremes_many
-    monkeypatch.setattr(stats, "extremes", lambda x: single.append(x.shape) or real(x))
-    monkeypatch.setattr(stats, "extremes_many", lambda xs, home: batched.append(len(xs)) or real_many(xs, home))
+    monkeypatch.setattr(stats, "extremes", lambda x, *rows: single.append(x.shape) or real(x, *rows))
+    monkeypatch.setattr(stats, "extremes_many",
+                        lambda xs, home, *rows: batched.append(len(xs)) or real_many(xs, home, *rows))
     model = chain(12)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     mon = attach(model)

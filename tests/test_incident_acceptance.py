@@ -48,16 +48,32 @@ def test_a_nan_from_torch_log_in_block_2_names_step_40_block_2_and_the_batch_ids
     assert f"non-finite at step {W.STEP}" in text and "origin: block block2 on this rank" in text
 
 
+def test_a_nan_from_torch_log_in_block_2_names_the_row_that_carried_it_and_its_id(attach, monkeypatch, tmp_path):
+    b = bundle_of(attach, monkeypatch, tmp_path, "log")
+    assert b.meta["rows"] == {"known": True, "rows": [W.ROW], "block": "block2", "reason": None}
+    assert f"rows: {W.ROW} (id r0-s{W.STEP}-n{W.ROW}) at block2" in summary(b.path, tmp_path)
+
+
 def test_a_nan_that_comes_with_the_batch_is_named_input(attach, monkeypatch, tmp_path):
     b = bundle_of(attach, monkeypatch, tmp_path, "input")
     assert b.meta["incident"]["block"] == "input" and b.meta["incident"]["step"] == W.STEP
     assert "origin: block input on this rank" in summary(b.path, tmp_path)
 
 
+def test_a_nan_that_comes_with_the_batch_names_its_row(attach, monkeypatch, tmp_path):
+    b = bundle_of(attach, monkeypatch, tmp_path, "input")
+    assert b.meta["rows"] == {"known": True, "rows": [W.ROW], "block": "input", "reason": None}
+
+
 def test_an_overflow_in_an_explicit_exp_is_named_at_its_block(attach, monkeypatch, tmp_path):
     b = bundle_of(attach, monkeypatch, tmp_path, "exp")
     assert b.meta["incident"]["block"] == "block1" and b.meta["incident"]["step"] == W.STEP
     assert "origin: block block1 on this rank" in summary(b.path, tmp_path)
+
+
+def test_an_overflow_in_an_explicit_exp_names_its_row(attach, monkeypatch, tmp_path):
+    b = bundle_of(attach, monkeypatch, tmp_path, "exp")
+    assert b.meta["rows"] == {"known": True, "rows": [W.ROW], "block": "block1", "reason": None}
 
 
 def test_in_a_two_rank_ddp_job_rank_1_names_its_batch_and_rank_0_points_at_rank_1(tmp_path):
@@ -70,6 +86,8 @@ def test_in_a_two_rank_ddp_job_rank_1_names_its_batch_and_rank_0_points_at_rank_
     one, zero = bundles[1].meta, bundles[0].meta
     assert one["incident"]["origin_here"] and one["incident"]["block"] == "input" and one["full"]
     assert one["batch"]["ids"] == W.ids_of(W.STEP, rank=1)
+    assert one["rows"] == {"known": True, "rows": [W.ROW], "block": "input", "reason": None}
+    assert not zero["rows"]["known"] and zero["rows"]["reason"]
     assert not zero["incident"]["origin_here"] and zero["incident"]["step"] == W.STEP
     assert f"origin: rank 1, block input (its bundle: {bundles[1].path})" in summary(bundles[0].path, tmp_path)
 

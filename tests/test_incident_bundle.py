@@ -239,3 +239,93 @@ def test_a_model_attached_again_never_writes_over_the_earlier_runs_bundle(attach
         assert mon.flush()
         mon.detach()
     assert len(list(tmp_path.glob("*.npz"))) == 2
+
+
+def test_the_block_check_by_batch_rows_gives_each_outputs_extremes_and_its_rows_in_one_call():
+    from gradmon import stats
+    torch.manual_seed(0)
+    small, other, large = torch.randn(4, 3, 5), torch.randn(3, 2), torch.randn(4, 2 ** 15)
+    small[2, 1, 1], large[3, 7] = float("nan"), float("-inf")
+    rows: list = []
+    lo, hi, order = stats.extremes_many([small, other, large], torch.device("cpu"), 4, rows)
+    want = [torch.aminmax(t) for t in (small, other, large)]
+    got = {i: (lo[j, 0].item(), hi[j, 0].item()) for j, i in enumerate(order)}
+    for i, (w_lo, w_hi) in enumerate(want):
+        assert np.allclose(got[i], (w_lo.item(), w_hi.item()), equal_nan=True), (i, got[i])
+    flagged = {i: (~torch.isfinite(r)).any(dim=1).nonzero().reshape(-1).tolist() for i, r in rows}
+    assert flagged == {0: [2], 2: [3]}  # `other` has 3 rows, not the batch's 4: no rows
+
+
+@pytest.mark.parametrize("root, inputs, size", [
+    (torch.nn.Linear(4, 4), (torch.zeros(6, 4),), 6),
+    (torch.nn.GRU(4, 4), (torch.zeros(5, 6, 4),), None),
+    (torch.nn.GRU(4, 4, batch_first=True), (torch.zeros(6, 5, 4),), 6),
+    (torch.nn.GRU(4, 4, batch_first=True),
+     (torch.nn.utils.rnn.pack_padded_sequence(torch.zeros(6, 5, 4), [5] * 6, batch_first=True),), None),
+])
+def test_the_batch_is_the_root_inputs_first_dimension_unless_sequence_first_or_packed(root, inputs, size):
+    from gradmon.hooks import batch_size
+    assert batch_size(root, inputs, {}) == size
+
+
+def test_the_rows_of_micro_batches_count_on_from_the_first_as_their_ids_do(attach, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    model = W.TinyTransformer()
+    mon = attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(1, 5):
+        for micro in range(2):
+            x = torch.randn(W.BATCH, W.TOKENS, W.WIDTH)
+            if step == 4 and micro == 1:
+                W.poison_input(x)
+            mon.observe(batch=[f"s{step}-m{micro}-n{n}" for n in range(W.BATCH)])
+            (model(x) - x).pow(2).mean().backward()
+        for p in model.parameters():
+            torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert mon.flush()
+    (path,) = tmp_path.glob("*.npz")
+    meta = B.load(str(path)).meta
+    assert meta["rows"] == {"known": True, "rows": [W.BATCH + W.ROW], "block": "input", "reason": None}
+    assert meta["batch"]["ids"][W.BATCH + W.ROW] == f"s4-m1-n{W.ROW}"
+
+
+class Transposed(torch.nn.Module):
+    """A block whose output is sequence-first: its first dimension is not the batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(10.0 + x.transpose(0, 1))
+
+
+class SequenceFirstInside(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(W.WIDTH, W.WIDTH)
+        self.log = Transposed()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.log(self.lin(x)).transpose(0, 1)
+
+
+def test_an_origin_block_whose_output_is_not_batch_first_says_rows_unknown_with_a_reason(attach, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    model = SequenceFirstInside()
+    mon = attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(1, 5):
+        x = torch.rand(W.BATCH, W.TOKENS, W.WIDTH)
+        if step == 4:
+            x[W.ROW] = -1000.0
+        model(x).pow(2).mean().backward()
+        for p in model.parameters():
+            torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert mon.flush()
+    (path,) = tmp_path.glob("*.npz")
+    meta = B.load(str(path)).meta
+    assert meta["incident"]["block"] == "log"
+    assert not meta["rows"]["known"] and meta["rows"]["rows"] == [] and "not the root input's batch" in meta["rows"][
+        "reason"]

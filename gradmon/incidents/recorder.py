@@ -34,6 +34,9 @@ MAX_INCIDENTS = 3
 goes non-finite again and again must not fill a disk."""
 MAX_IDS = 65536
 """Sample ids kept per step: a batch is rarely larger, and a bundle is bounded anyway."""
+ROW_STEPS = 4
+"""Newest kept steps whose per-row block checks are held (device tensors): a bundle is
+written in the fold of its incident's step, so the origin step's rows are the newest."""
 
 
 @dataclass(frozen=True)
@@ -154,8 +157,11 @@ class BlackBox:
         if len(self._ring) == self._ring.maxlen:
             self._ring_bytes -= _bytes(self._ring[0].data)
         self._ring.append(Step(packet.global_step, data, tuple(packet.sections), tuple(packet.scalars),
-                                tuple(packet.learning_rates), bool(packet.skipped), self._pending))
+                                tuple(packet.learning_rates), bool(packet.skipped), self._pending,
+                                tuple(getattr(packet, "rows", ()))))
         self._pending = []
+        if len(self._ring) > ROW_STEPS:
+            self._ring[-ROW_STEPS - 1].rows = ()
         self._ring_bytes += _bytes(data)
         # a bundle never holds more than max_bytes, so neither need the steps kept for it
         while len(self._ring) > 1 and self._ring_bytes > self.max_bytes:
@@ -204,6 +210,7 @@ class BlackBox:
         steps = list(self._ring) if full else []
         at = next((s for s in reversed(self._ring) if s.step == incident.step), None)
         ids = _ids(at.batch) if at is not None else None
+        origin = next((s for s in reversed(self._ring) if s.step == (incident.origin_step or incident.step)), None)
         arrays, history = _history(steps, facts)
         arrays.update(_rng_arrays())
         meta: Dict[str, Any] = {
@@ -214,7 +221,7 @@ class BlackBox:
             "incident": {"step": incident.step, "origin_step": incident.origin_step,
                          "origin_here": here, "block": incident.block, "grad_layer": incident.grad_layer,
                          "activation_layer": incident.activation_layer},
-            "rows": {"known": False, "rows": [], "reason": "per-row block checks are not recorded yet"},
+            "rows": _rows(origin, incident.block, facts.blocks),
             "batch": {"known": ids is not None, "ids": ids if ids is not None else [],
                       "reason": None if ids is not None else "no ids given: Monitor.observe(batch=ids)"},
             "blamed": _blamed(steps, facts, incident) if full else {},
@@ -247,6 +254,28 @@ def _ids(batch: Sequence[object]) -> Optional[List[Any]]:
     for ids in batch:
         out.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)  # type: ignore[union-attr]
     return out[:MAX_IDS]
+
+
+def _rows(origin: Optional[Step], block: Optional[str], blocks: Sequence[str]) -> Dict[str, Any]:
+    """Which rows of the batch held a NaN or an Inf at the origin block, at the origin
+    step: its per-row block checks, micro-batches in order (as the ids), read here
+    (publisher thread, at an incident only)."""
+    def unknown(reason: str) -> Dict[str, Any]:
+        return {"known": False, "rows": [], "block": block, "reason": reason}
+
+    if block is None:
+        return unknown("no origin block on this rank: its forward stayed finite")
+    if origin is None:
+        return unknown("the origin step is no longer among the kept steps")
+    key = blocks.index(block) if block in blocks else -1
+    checks = [rows for k, rows in origin.rows if k == key]
+    if not checks:
+        return unknown("no per-row check of the origin block at that step: its output's first dimension is not "
+                       "the root input's batch, the batch is sequence-first or packed, or (a block that is a layer, "
+                       "on a detail step) its check was taken from its activation record")
+    per_row = torch.cat([rows.detach().to("cpu", torch.float64) for rows in checks])
+    bad = (~torch.isfinite(per_row)).any(dim=1).nonzero().reshape(-1)
+    return {"known": True, "rows": bad.tolist()[:MAX_IDS], "block": block, "reason": None}
 
 
 def _rng_arrays() -> Dict[str, torch.Tensor]:

@@ -30,6 +30,8 @@ class Step:
     learning_rates: Tuple[Optional[float], ...]
     skipped: bool
     batch: List[object]
+    rows: Tuple[Tuple[int, torch.Tensor], ...] = ()
+    """The packet's per-row block checks (``StepPacket.rows``), still on their device."""
 
 
 class Layout:
