@@ -317,9 +317,9 @@ class BlockChecks:
         every_numel = list(map(torch.Tensor.numel, tensors))
         for st, records in into:
             if st is S.BLOCK_FINITE and rows is not None and rows.size is not None:
-                per_row: List[Tuple[int, torch.Tensor]] = []
+                per_row: List[Tuple[int, torch.Tensor, int]] = []
                 *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row)
-                rows.pending.extend((every_key[i], r) for i, r in per_row)
+                rows.pending.extend((every_key[i], block, start, rows.size) for i, block, start in per_row)
             else:
                 *parts, order = st.record_many(tensors, tensors[0].device)
             keys = list(map(every_key.__getitem__, order))
@@ -344,8 +344,9 @@ class BatchRows:
 
     def __init__(self) -> None:
         self.size: Optional[int] = None  # rows of this forward's batch
-        self.pending: List[Tuple[int, torch.Tensor]] = []  # (block key, (size, 2) [min, max] per row)
-        self.kept: List[Tuple[int, torch.Tensor]] = []  # this step's completed forwards', in order
+        # (block key, block, start, size): block[start:start + size] is the [min, max] of each row
+        self.pending: List[Tuple[int, torch.Tensor, int, int]] = []
+        self.kept: List[Tuple[int, torch.Tensor, int, int]] = []  # this step's completed forwards', in order
 
     def start(self, root: nn.Module, args: Any, kwargs: Any) -> None:
         self.pending, self.size = [], None
@@ -355,7 +356,7 @@ class BatchRows:
         self.kept.extend(self.pending)
         self.pending = []
 
-    def take(self) -> Tuple[Tuple[int, torch.Tensor], ...]:
+    def take(self) -> Tuple[Tuple[int, torch.Tensor, int, int], ...]:
         kept, self.kept, self.pending = tuple(self.kept), [], []
         return kept
 
@@ -590,7 +591,7 @@ class Recorder:
             return derived
         if st is S.BLOCK_FINITE and stats.has_rows(t, self._rows.size):
             lo, hi, rows = stats.extremes(t, self._rows.size)
-            self._rows.pending.append((key, rows))
+            self._rows.pending.append((key, rows, 0, self._rows.size))
             return lo, hi
         return st.record(t)
 

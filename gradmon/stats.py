@@ -12,6 +12,7 @@ Values are shipped as float64 so that element counts stay exact far beyond float
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 from collections import defaultdict
@@ -387,7 +388,7 @@ def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
 def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int] = None,
-                  rows: Optional[List[Tuple[int, torch.Tensor]]] = None
+                  rows: Optional[List[Tuple[int, torch.Tensor, int]]] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
     """(lo, hi, order): the min and max of each of ``tensors`` as two (n, 1) columns on
     ``home`` in the ship dtype, row j describing ``tensors[order[j]]``. The check of many
@@ -398,8 +399,9 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
 
     Given ``batch`` and a list ``rows``, a tensor whose first dimension is the batch
     (:func:`has_rows`) is reduced by batch row instead of whole, its lo/hi then taken from
-    its rows' (no second pass over the data), and ``(i, its (batch, 2) rows)`` is appended
-    to ``rows``, ``i`` its position in ``tensors``."""
+    its rows' (no second pass over the data), and ``(i, block, start)`` is appended to
+    ``rows``: ``block[start:start + batch]`` are the [min, max] of ``tensors[i]``'s rows
+    (one (n, 2) block per group, shared, so that no kernel is launched per tensor)."""
     groups = _groups(tensors, list(map(torch.Tensor.numel, tensors)))
     ship = _ship_dtype(home)
     los: List[torch.Tensor] = []
@@ -421,7 +423,7 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
             made = [extremes(t, batch) if cut else (*torch.aminmax(t), None)
                     for t, cut in zip(group, split)]
             if rows is not None:
-                rows.extend((i, m[2]) for i, m in zip(idx, made) if m[2] is not None)
+                rows.extend((i, m[2], 0) for i, m in zip(idx, made) if m[2] is not None)
             lo, hi = torch.stack([m[0] for m in made]), torch.stack([m[1] for m in made])
         los.append(lo.to(home, ship, non_blocking=True))
         his.append(hi.to(home, ship, non_blocking=True))
@@ -431,23 +433,29 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
 
 
 def _by_rows(flat: torch.Tensor, group: Sequence[torch.Tensor], split: Sequence[bool], batch: int,
-             idx: Sequence[int], rows: List[Tuple[int, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+             idx: Sequence[int], rows: List[Tuple[int, torch.Tensor, int]]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each tensor's (lo, hi) of the flat copy of ``group``, reduced by segment: one
     segment per batch row of a tensor ``split`` by rows, one per other tensor; each
     tensor's lo/hi then reduced from its segments' (a second reduction over a few values
-    per tensor, not over the data). Appends each split tensor's (batch, 2) rows."""
-    segments = tuple(n for t, cut in zip(group, split)
-                     for n in ((t.numel() // batch,) * batch if cut else (t.numel(),)))
-    lo = torch.segment_reduce(flat, "min", lengths=_lengths(segments, flat.device))
-    hi = torch.segment_reduce(flat, "max", lengths=_lengths(segments, flat.device))
-    per = tuple(batch if cut else 1 for cut in split)
-    start = 0
-    for i, cut, n in zip(idx, split, per):
-        if cut:
-            rows.append((i, torch.stack((lo[start:start + n], hi[start:start + n]), dim=1)))
-        start += n
-    counts = _lengths(per, flat.device)
+    per tensor, not over the data). Appends where each split tensor's rows lie in the
+    group's one (segments, 2) block of [min, max]."""
+    segments, counts, starts = _row_layout(tuple(map(torch.Tensor.numel, group)), tuple(split), batch, flat.device)
+    lo = torch.segment_reduce(flat, "min", lengths=segments)
+    hi = torch.segment_reduce(flat, "max", lengths=segments)
+    block = torch.stack((lo, hi), dim=1)
+    rows.extend((i, block, start) for i, cut, start in zip(idx, split, starts) if cut)
     return torch.segment_reduce(lo, "min", lengths=counts), torch.segment_reduce(hi, "max", lengths=counts)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_layout(numels: Tuple[int, ...], split: Tuple[bool, ...], batch: int, device: torch.device
+                ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """(segment lengths, segments per tensor, each tensor's first segment) of :func:`_by_rows`:
+    the same layout comes back every ordinary step, built and copied once."""
+    per = tuple(batch if cut else 1 for cut in split)
+    lengths = tuple(n for numel, cut in zip(numels, split) for n in ((numel // batch,) * batch if cut else (numel,)))
+    starts = tuple(itertools.accumulate(per, initial=0))[:-1]
+    return host_values(lengths, device, torch.int64), host_values(per, device, torch.int64), starts
 
 
 def pack(parts: Sequence[torch.Tensor], home: torch.device) -> torch.Tensor:

@@ -252,7 +252,8 @@ def test_the_block_check_by_batch_rows_gives_each_outputs_extremes_and_its_rows_
     got = {i: (lo[j, 0].item(), hi[j, 0].item()) for j, i in enumerate(order)}
     for i, (w_lo, w_hi) in enumerate(want):
         assert np.allclose(got[i], (w_lo.item(), w_hi.item()), equal_nan=True), (i, got[i])
-    flagged = {i: (~torch.isfinite(r)).any(dim=1).nonzero().reshape(-1).tolist() for i, r in rows}
+    flagged = {i: (~torch.isfinite(block[start:start + 4])).any(dim=1).nonzero().reshape(-1).tolist()
+               for i, block, start in rows}
     assert flagged == {0: [2], 2: [3]}  # `other` has 3 rows, not the batch's 4: no rows
 
 

@@ -268,7 +268,7 @@ def _rows(origin: Optional[Step], block: Optional[str], blocks: Sequence[str]) -
     if origin is None:
         return unknown("the origin step is no longer among the kept steps")
     key = blocks.index(block) if block in blocks else -1
-    checks = [rows for k, rows in origin.rows if k == key]
+    checks = [block[start:start + size] for k, block, start, size in origin.rows if k == key]
     if not checks:
         return unknown("no per-row check of the origin block at that step: its output's first dimension is not "
                        "the root input's batch, the batch is sequence-first or packed, or (a block that is a layer, "
