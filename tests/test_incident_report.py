@@ -79,6 +79,7 @@ def test_the_report_draws_the_norm_loss_and_heatmap_with_the_incident_marked_in_
         assert int(browser.evaluate("document.getElementById('heatmap').dataset.columns")) == W.STEP
         summary = browser.evaluate("document.getElementById('summary').textContent")
         assert f"non-finite at step {W.STEP}" in summary and "block2" in summary
+        assert f"rows: {W.ROW} (id r0-s{W.STEP}-n{W.ROW}) at block2" in summary
         # the incident's column is NaN in every layer whose gradient it reached: magenta pixels at the right edge
         magenta = browser.evaluate(
             "(() => { const c = document.getElementById('heatmap'); const x = c.width - 2;"
