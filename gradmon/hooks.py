@@ -340,24 +340,27 @@ class BatchRows:
     dimension is another size has no rows, nor has any output of a forward whose batch
     cannot be told (:func:`batch_size`)."""
 
-    __slots__ = ("size", "pending", "kept")
+    __slots__ = ("size", "pending", "kept", "forwards")
 
     def __init__(self) -> None:
         self.size: Optional[int] = None  # rows of this forward's batch
         # (block key, block, start, size): block[start:start + size] is the [min, max] of each row
         self.pending: List[Tuple[int, torch.Tensor, int, int]] = []
-        self.kept: List[Tuple[int, torch.Tensor, int, int]] = []  # this step's completed forwards', in order
+        # this step's completed forwards' (micro-batches), each with its forward's index
+        self.kept: List[Tuple[int, torch.Tensor, int, int, int]] = []
+        self.forwards = 0
 
     def start(self, root: nn.Module, args: Any, kwargs: Any) -> None:
         self.pending, self.size = [], None
         self.size = batch_size(root, args, kwargs)
 
     def commit(self) -> None:
-        self.kept.extend(self.pending)
+        self.kept.extend((*entry, self.forwards) for entry in self.pending)
         self.pending = []
+        self.forwards += 1
 
-    def take(self) -> Tuple[Tuple[int, torch.Tensor, int, int], ...]:
-        kept, self.kept, self.pending = tuple(self.kept), [], []
+    def take(self) -> Tuple[Tuple[int, torch.Tensor, int, int, int], ...]:
+        kept, self.kept, self.pending, self.forwards = tuple(self.kept), [], [], 0
         return kept
 
 

@@ -50,10 +50,11 @@ class StepPacket:
     measured_at_step: bool = False  # gradients measured at the optimizer step, not at the end of backward
     learning_rates: Tuple[Optional[float], ...] = ()
     """Per param group; None: a tensor, packed as the step scalar ``lr/<group>``."""
-    rows: Tuple[Tuple[int, object, int, int], ...] = ()
-    """(block key, block, start, batch): ``block[start:start + batch]`` is the [min, max] of
-    each batch row of that block's output, for the step's forwards in order; device
-    tensors, read on the host only at an incident (``incidents``)."""
+    rows: Tuple[Tuple[int, object, int, int, int], ...] = ()
+    """(block key, block, start, batch, forward): ``block[start:start + batch]`` is the
+    [min, max] of each batch row of one tensor of that block's value in the step's
+    ``forward``-th forward (micro-batch); device tensors, read on the host only at an
+    incident (``incidents``)."""
 
 
 @dataclass(frozen=True)

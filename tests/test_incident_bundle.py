@@ -330,3 +330,36 @@ def test_an_origin_block_whose_output_is_not_batch_first_says_rows_unknown_with_
     assert meta["incident"]["block"] == "log"
     assert not meta["rows"]["known"] and meta["rows"]["rows"] == [] and "not the root input's batch" in meta["rows"][
         "reason"]
+
+
+class WithMask(torch.nn.Module):
+    """A model given a float causal mask with the batch: -Inf in every row of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = W.TinyTransformer()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.inner(x + 0.01 * torch.softmax(mask, dim=-1).sum(-1, keepdim=True))
+
+
+def test_a_nan_beside_a_float_mask_names_the_nan_row_not_every_row_of_the_mask(attach, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    model = WithMask()
+    mon = attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    causal = torch.full((W.TOKENS, W.TOKENS), float("-inf")).triu(1).expand(W.BATCH, -1, -1).contiguous()
+    for step in range(1, 5):
+        x = torch.randn(W.BATCH, W.TOKENS, W.WIDTH)
+        if step == 4:
+            W.poison_input(x)
+        (model(x, causal) - x).pow(2).mean().backward()
+        for p in model.parameters():
+            torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert mon.flush()
+    (path,) = tmp_path.glob("*.npz")
+    meta = B.load(str(path)).meta
+    assert meta["incident"]["block"] == "input"
+    assert meta["rows"] == {"known": True, "rows": [W.ROW], "block": "input", "reason": None}

@@ -12,6 +12,7 @@ import collections
 import datetime
 import itertools
 import logging
+import math
 import operator
 import os
 import platform
@@ -259,7 +260,8 @@ def _ids(batch: Sequence[object]) -> Optional[List[Any]]:
 def _rows(origin: Optional[Step], block: Optional[str], blocks: Sequence[str]) -> Dict[str, Any]:
     """Which rows of the batch held a NaN or an Inf at the origin block, at the origin
     step: its per-row block checks, micro-batches in order (as the ids), read here
-    (publisher thread, at an incident only)."""
+    (publisher thread, at an incident only). Rows with a NaN or a +Inf are named before
+    rows with only a -Inf, which a float attention mask carries in every row."""
     def unknown(reason: str) -> Dict[str, Any]:
         return {"known": False, "rows": [], "block": block, "reason": reason}
 
@@ -268,14 +270,29 @@ def _rows(origin: Optional[Step], block: Optional[str], blocks: Sequence[str]) -
     if origin is None:
         return unknown("the origin step is no longer among the kept steps")
     key = blocks.index(block) if block in blocks else -1
-    checks = [block[start:start + size] for k, block, start, size in origin.rows if k == key]
-    if not checks:
+    forwards: Dict[int, List[torch.Tensor]] = {}
+    for k, values, start, size, forward in origin.rows:
+        if k == key:
+            forwards.setdefault(forward, []).append(values[start:start + size])
+    if not forwards:
         return unknown("no per-row check of the origin block at that step: its output's first dimension is not "
                        "the root input's batch, the batch is sequence-first or packed, or (a block that is a layer, "
                        "on a detail step) its check was taken from its activation record")
-    per_row = torch.cat([rows.detach().to("cpu", torch.float64) for rows in checks])
-    bad = (~torch.isfinite(per_row)).any(dim=1).nonzero().reshape(-1)
+    # a block's value of several tensors (a tuple, the input and its mask) is one batch: their rows' flags are or-ed
+    nan_or_inf, minus_inf = (torch.cat([torch.stack([kind(t.detach().to("cpu", torch.float64)) for t in tensors])
+                                        .any(dim=0) for _, tensors in sorted(forwards.items())])
+                             for kind in (_nan_or_inf, _minus_inf))
+    bad = (nan_or_inf if nan_or_inf.any() else minus_inf).nonzero().reshape(-1)
     return {"known": True, "rows": bad.tolist()[:MAX_IDS], "block": block, "reason": None}
+
+
+def _nan_or_inf(rows: torch.Tensor) -> torch.Tensor:
+    """Per row of (n, 2) [min, max]: it holds a NaN or a +Inf."""
+    return rows.isnan().any(dim=1) | (rows[:, 1] == math.inf)
+
+
+def _minus_inf(rows: torch.Tensor) -> torch.Tensor:
+    return rows[:, 0] == -math.inf
 
 
 def _rng_arrays() -> Dict[str, torch.Tensor]:

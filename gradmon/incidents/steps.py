@@ -30,7 +30,7 @@ class Step:
     learning_rates: Tuple[Optional[float], ...]
     skipped: bool
     batch: List[object]
-    rows: Tuple[Tuple[int, torch.Tensor, int, int], ...] = ()
+    rows: Tuple[Tuple[int, torch.Tensor, int, int, int], ...] = ()
     """The packet's per-row block checks (``StepPacket.rows``), still on their device."""
 
 
