@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 import weakref
 from functools import partial
@@ -124,12 +125,19 @@ def _compiling() -> bool:
 
 
 def _optimizer_step_value(opt: torch.optim.Optimizer) -> Optional[int]:
-    """The optimizer's own step count (Adam & co.), read without a device sync."""
+    """The optimizer's own step count (Adam & co.), read without a device sync. The first
+    parameter with any state decides: an optimizer keeps the same keys for each (SGD keeps
+    no step, and with no momentum no state at all), so the search is not a loop over every
+    parameter at every step."""
+    if not opt.state:
+        return None
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state.get(p)
-            if not state or "step" not in state:
+            if not state:
                 continue
+            if "step" not in state:
+                return None
             value = state["step"]
             if isinstance(value, (int, float)):
                 return int(value)
@@ -430,7 +438,9 @@ class Recorder:
         self._flat_of: Dict[int, weakref.ref] = {i: weakref.ref(flat_of[id(p)]) for i, p in enumerate(params)
                                                  if p is not None and id(p) in flat_of}
         self._param_hooks: List[Any] = []
-        self._hooked: List[Optional[weakref.ref]] = []  # the parameters as last seen
+        # the parameters as last seen: held from one step to the next (a replaced one is
+        # freed a step later), so that noticing a replacement is one C-level comparison
+        self._known: List[Optional[torch.Tensor]] = []
         # Per-parameter hooks find the end of a backward that passed through no output
         # gradmon saw (a forward of a deeper submodule), and record LOCAL_GRAD. They cost a
         # Python call per parameter per backward, so once a step shows every backward
@@ -509,6 +519,7 @@ class Recorder:
         self._batched = {}
         self._scratch = None
         self._params_now = None
+        self._known = []
         self._blocks = BlockChecks()
         self._rows = BatchRows()
         self._reset_records()
@@ -520,9 +531,8 @@ class Recorder:
         now, if the caller has them) and keep the post-accumulate-grad hooks on the current
         ones while they are wanted; True if any parameter changed."""
         params = self.current_params() if params is None else params
-        changed = not (len(self._hooked) == len(params) and all(
-            (r is None and p is None) or (r is not None and r() is p) for r, p in zip(self._hooked, params)))
-        if changed and self._hooked:
+        changed = not (len(self._known) == len(params) and all(map(operator.is_, self._known, params)))
+        if changed and self._known:
             log.warning("gradmon: monitored parameters were replaced after attach (new nn.Parameter or "
                         "load_state_dict(assign=True)); measuring the new ones")
             self._owned.clear()
@@ -530,7 +540,7 @@ class Recorder:
             self._probe = None
         if changed:
             self._remove_param_hooks()
-            self._hooked = [weakref.ref(p) if p is not None else None for p in params]
+        self._known = params
         if self._per_param and not self._param_hooks:
             self._param_hooks = [p.register_post_accumulate_grad_hook(partial(self.on_param_grad, i))
                                  for i, p in enumerate(params) if p is not None]
