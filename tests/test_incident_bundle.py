@@ -269,25 +269,35 @@ def test_the_batch_is_the_root_inputs_first_dimension_unless_sequence_first_or_p
     assert batch_size(root, inputs, {}) == size
 
 
-def test_the_rows_of_micro_batches_count_on_from_the_first_as_their_ids_do(attach, monkeypatch, tmp_path):
-    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
-    model = W.TinyTransformer()
-    mon = attach(model)
+def _bundle_after_four_steps(mon, model: torch.nn.Module, tmp_path, backward_step) -> dict:
+    """Train four SGD steps, each ``backward_step(step)`` (forward and backward), the gradients
+    made finite before the update so only the incident step is non-finite; the bundle's JSON."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for step in range(1, 5):
-        for micro in range(2):
-            x = torch.randn(W.BATCH, W.TOKENS, W.WIDTH)
-            if step == 4 and micro == 1:
-                W.poison_input(x)
-            mon.observe(batch=[f"s{step}-m{micro}-n{n}" for n in range(W.BATCH)])
-            (model(x) - x).pow(2).mean().backward()
+        backward_step(step)
         for p in model.parameters():
             torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert mon.flush()
     (path,) = tmp_path.glob("*.npz")
-    meta = B.load(str(path)).meta
+    return B.load(str(path)).meta
+
+
+def test_the_rows_of_micro_batches_count_on_from_the_first_as_their_ids_do(attach, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
+    model = W.TinyTransformer()
+    mon = attach(model)
+
+    def two_micro_batches(step: int) -> None:
+        for micro in range(2):
+            x = torch.randn(W.BATCH, W.TOKENS, W.WIDTH)
+            if step == 4 and micro == 1:
+                W.poison_input(x)
+            mon.observe(batch=[f"s{step}-m{micro}-n{n}" for n in range(W.BATCH)])
+            (model(x) - x).pow(2).mean().backward()
+
+    meta = _bundle_after_four_steps(mon, model, tmp_path, two_micro_batches)
     assert meta["rows"] == {"known": True, "rows": [W.BATCH + W.ROW], "block": "input", "reason": None}
     assert meta["batch"]["ids"][W.BATCH + W.ROW] == f"s4-m1-n{W.ROW}"
 
@@ -314,19 +324,14 @@ def test_an_origin_block_whose_output_is_not_batch_first_says_rows_unknown_with_
     monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
     model = SequenceFirstInside()
     mon = attach(model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    for step in range(1, 5):
+
+    def step_with_a_bad_row_at_4(step: int) -> None:
         x = torch.rand(W.BATCH, W.TOKENS, W.WIDTH)
         if step == 4:
             x[W.ROW] = -1000.0
         model(x).pow(2).mean().backward()
-        for p in model.parameters():
-            torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    assert mon.flush()
-    (path,) = tmp_path.glob("*.npz")
-    meta = B.load(str(path)).meta
+
+    meta = _bundle_after_four_steps(mon, model, tmp_path, step_with_a_bad_row_at_4)
     assert meta["incident"]["block"] == "log"
     assert not meta["rows"]["known"] and meta["rows"]["rows"] == [] and "not the root input's batch" in meta["rows"][
         "reason"]
@@ -347,19 +352,14 @@ def test_a_nan_beside_a_float_mask_names_the_nan_row_not_every_row_of_the_mask(a
     monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
     model = WithMask()
     mon = attach(model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     causal = torch.full((W.TOKENS, W.TOKENS), float("-inf")).triu(1).expand(W.BATCH, -1, -1).contiguous()
-    for step in range(1, 5):
+
+    def step_with_the_mask(step: int) -> None:
         x = torch.randn(W.BATCH, W.TOKENS, W.WIDTH)
         if step == 4:
             W.poison_input(x)
         (model(x, causal) - x).pow(2).mean().backward()
-        for p in model.parameters():
-            torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    assert mon.flush()
-    (path,) = tmp_path.glob("*.npz")
-    meta = B.load(str(path)).meta
+
+    meta = _bundle_after_four_steps(mon, model, tmp_path, step_with_the_mask)
     assert meta["incident"]["block"] == "input"
     assert meta["rows"] == {"known": True, "rows": [W.ROW], "block": "input", "reason": None}
