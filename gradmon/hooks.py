@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import time
 import weakref
 from functools import partial
@@ -438,9 +437,7 @@ class Recorder:
         self._flat_of: Dict[int, weakref.ref] = {i: weakref.ref(flat_of[id(p)]) for i, p in enumerate(params)
                                                  if p is not None and id(p) in flat_of}
         self._param_hooks: List[Any] = []
-        # the parameters as last seen: held from one step to the next (a replaced one is
-        # freed a step later), so that noticing a replacement is one C-level comparison
-        self._known: List[Optional[torch.Tensor]] = []
+        self._known: List[Optional[weakref.ref]] = []  # the parameters as last seen
         # Per-parameter hooks find the end of a backward that passed through no output
         # gradmon saw (a forward of a deeper submodule), and record LOCAL_GRAD. They cost a
         # Python call per parameter per backward, so once a step shows every backward
@@ -531,7 +528,8 @@ class Recorder:
         now, if the caller has them) and keep the post-accumulate-grad hooks on the current
         ones while they are wanted; True if any parameter changed."""
         params = self.current_params() if params is None else params
-        changed = not (len(self._known) == len(params) and all(map(operator.is_, self._known, params)))
+        changed = not (len(self._known) == len(params) and all(
+            (r is None and p is None) or (r is not None and r() is p) for r, p in zip(self._known, params)))
         if changed and self._known:
             log.warning("gradmon: monitored parameters were replaced after attach (new nn.Parameter or "
                         "load_state_dict(assign=True)); measuring the new ones")
@@ -540,7 +538,8 @@ class Recorder:
             self._probe = None
         if changed:
             self._remove_param_hooks()
-        self._known = params
+        if changed:
+            self._known = [weakref.ref(p) if p is not None else None for p in params]
         if self._per_param and not self._param_hooks:
             self._param_hooks = [p.register_post_accumulate_grad_hook(partial(self.on_param_grad, i))
                                  for i, p in enumerate(params) if p is not None]
