@@ -11,13 +11,12 @@ import logging
 import math
 import time
 import warnings
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import pytest
 import torch
 from torch import nn
 
-import gradmon
 from gradmon import exporter
 from conftest import Key, fresh, scrape, value
 from servers import Prometheus

@@ -138,12 +138,6 @@ def run_demo(*args: str, **env: str) -> subprocess.CompletedProcess:
                           env=demo_env(**env))
 
 
-def run_demo(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gradmon", "demo", "--addr", "127.0.0.1", "--step-delay", "0",
-                           "--log-every", "0", *args], capture_output=True, text=True, timeout=120,
-                          env=demo_env(**env))
-
-
 def test_an_explicit_port_that_is_taken_is_an_error_naming_it():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

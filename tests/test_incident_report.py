@@ -11,7 +11,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from gradmon.incidents import bundle as B
 from gradmon.incidents import npz
