@@ -52,7 +52,7 @@ from . import statistics as S
 from .config import Config
 from .errors import ErrorLog
 from .layers import Layer, is_floating
-from .snapshot import GlobalStepUpdate, StepPacket
+from .packet import GlobalStepUpdate, StepPacket
 from .statistics import Section, Statistic
 
 log = logging.getLogger("gradmon")

@@ -26,44 +26,10 @@ from .incidents.recorder import BatchIds, BlackBox
 from . import statistics as S
 from .errors import ErrorLog
 from .spikes import SpikeTracker
+from .packet import GlobalStepUpdate, StepPacket
 from .statistics import LayerGauge, Section, Statistic
 
 log = logging.getLogger("gradmon")
-
-
-@dataclass(frozen=True)
-class StepPacket:
-    """What one optimizer step measured, still in the packed device layout: the
-    records of each statistic in ``sections`` (laid out as ``statistics.read`` reads
-    them), then one value per name in ``scalars`` (``statistics.read_scalars``)."""
-
-    index: int
-    global_step: int
-    time: float
-    data: object = None  # a host tensor, valid once ``event`` has completed
-    event: object = None
-    sections: Tuple[Section, ...] = ()
-    scalars: Tuple[str, ...] = ()  # the step scalars after the sections (statistics.SCALAR_*)
-    skipped: bool = False  # an overflow step the GradScaler skipped: data holds only the step scalars
-    sampled: bool = True
-    detail: bool = False
-    measured_at_step: bool = False  # gradients measured at the optimizer step, not at the end of backward
-    learning_rates: Tuple[Optional[float], ...] = ()
-    """Per param group; None: a tensor, packed as the step scalar ``lr/<group>``."""
-    rows: Tuple[Tuple[int, object, int, int, int], ...] = ()
-    """(block key, block, start, batch, forward): ``block[start:start + batch]`` is the
-    [min, max] of each batch row of one tensor of that block's value in the step's
-    ``forward``-th forward (micro-batch); device tensors, read on the host only at an
-    incident (``incidents``)."""
-
-
-@dataclass(frozen=True)
-class GlobalStepUpdate:
-    """``monitor.step(n)`` after the optimizer already published the step: relabel it;
-    after a step the scaler skipped: only the current step number moves."""
-
-    global_step: int
-    skipped: bool = False
 
 
 @dataclass(frozen=True)

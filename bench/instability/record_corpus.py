@@ -32,7 +32,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import gradmon
-from gradmon.snapshot import StepPacket
+from gradmon.packet import StepPacket
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
