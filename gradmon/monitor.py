@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 from . import config as _config
-from . import exporter
 from . import metrics as M
-from . import run_end, sharded
+from .capture import sharded
+from .capture.hooks import HookSet, Recorder
+from .capture.layers import Layer, discover, has_trainable_parameters, is_ddp, top_blocks, unwrap
 from .config import Config
 from .errors import ErrorLog
-from .hooks import HookSet, Recorder
 from .identity import RankInfo, data_parallel_rank, detect
-from .layers import Layer, discover, has_trainable_parameters, is_ddp, top_blocks, unwrap
+from .serve import exporter, run_end
 from . import statistics as S
 from .grouping import group_layers
 from .history import History

@@ -59,7 +59,7 @@ def run(rank: int, world: int, work: str, master_port: int, gradmon_port: int, p
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world)
     import gradmon
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
 
     if rank == fail_rank:  # gradmon's own computation fails on this rank only
         def boom(*a, **k):
@@ -104,7 +104,7 @@ def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: i
     from torch.distributed.fsdp import fully_shard
 
     import gradmon
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
 
     if rank == fail_rank:
         def boom(*a, **k):

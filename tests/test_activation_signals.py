@@ -88,7 +88,7 @@ class Recurrent(nn.Module):
 def test_a_layer_called_many_times_holds_a_bounded_sample_and_keeps_its_exact_kurtosis(attach, monkeypatch):
     """Raw samples are combined into rows as soon as RAW_BUDGET elements wait, not kept
     until the forward returns; the rows fold as exactly as the samples would have."""
-    from gradmon import hooks
+    from gradmon.capture import hooks
     monkeypatch.setattr(hooks, "RAW_BUDGET", 3 * 64 * 8)  # three calls' outputs
     waiting: List[int] = []
     add = hooks._Records.add
@@ -111,7 +111,7 @@ def test_a_layer_called_many_times_holds_a_bounded_sample_and_keeps_its_exact_ku
 
 
 def test_a_failure_to_combine_the_samples_loses_the_kurtosis_only(attach, monkeypatch):
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
 
     def broken(*args, **kwargs):
         raise RuntimeError("combine failed")
@@ -144,7 +144,7 @@ class Outliers(nn.Module):
 
 
 def test_kurtosis_of_a_large_output_is_estimated_from_a_sample_that_sees_every_feature(attach):
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
     torch.manual_seed(0)
     model = Outliers()
     outputs = capture_outputs({"proj": model.proj})
@@ -162,7 +162,7 @@ def test_kurtosis_of_a_large_output_is_estimated_from_a_sample_that_sees_every_f
 
 
 def test_kurtosis_sample_stride_visits_every_index_of_every_dimension():
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
     for shape in [(16, 64, 384), (8, 128, 1024), (8, 64, 56, 56), (4, 3 * 5 * 7 * 11 * 13), (10 ** 6,)]:
         numel = math.prod(shape)
         k = stats._sample_stride(torch.Size(shape), numel, stats.MOMENTS_SAMPLE)
@@ -193,7 +193,7 @@ def test_kurtosis_of_grouped_layers_is_the_kurtosis_of_all_their_outputs_togethe
 def test_moments_reuse_their_scratch_memory_and_give_the_same_rows():
     """The recorder's scratch (reused step after step on the CPU) holds the last step's
     samples: a shorter row later must see zeros past its end, not the old values."""
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
     torch.manual_seed(4)
     home, scratch = torch.device("cpu"), stats.Scratch()
     first = [torch.randn(9000) * 3 + 7, torch.randn(5000)]
@@ -462,7 +462,7 @@ def test_forced_on_the_fp16_families_have_no_series_for_fp32_or_bf16_layers(atta
 
 
 def test_fp16_headroom_is_resolved_at_attach_from_the_model_and_the_scaler():
-    from gradmon.layers import discover
+    from gradmon.capture.layers import discover
     from gradmon.monitor import _fp16_headroom
     fp32 = discover(nn.Linear(2, 2), Config())
     half = discover(nn.Linear(2, 2).half(), Config())

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradmon import exporter
+from gradmon.serve import exporter
 from conftest import Key, fresh, scrape, value
 from servers import Prometheus
 

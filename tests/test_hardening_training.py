@@ -316,7 +316,7 @@ def test_head_requests_are_not_scrapes_for_the_final_scrape_wait(attach):
 
 
 def test_a_detach_that_failed_partway_is_completed_by_the_next_one(attach, monkeypatch, caplog):
-    from gradmon import exporter
+    from gradmon.serve import exporter
     before = gradmon_threads()
     model = Net()
     mon = attach(model)

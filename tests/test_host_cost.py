@@ -114,7 +114,7 @@ def test_a_detail_step_still_records_every_layer(attach):
 
 
 def test_the_block_checks_of_an_ordinary_forward_are_one_batched_call(attach, monkeypatch):
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
     single, batched = [], []
     real, real_many = stats.extremes, stats.extremes_many
     monkeypatch.setattr(stats, "extremes", lambda x, *rows: single.append(x.shape) or real(x, *rows))

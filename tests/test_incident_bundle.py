@@ -242,7 +242,7 @@ def test_a_model_attached_again_never_writes_over_the_earlier_runs_bundle(attach
 
 
 def test_the_block_check_by_batch_rows_gives_each_outputs_extremes_and_its_rows_in_one_call():
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
     torch.manual_seed(0)
     small, other, large = torch.randn(4, 3, 5), torch.randn(3, 2), torch.randn(4, 2 ** 15)
     small[2, 1, 1], large[3, 7] = float("nan"), float("-inf")
@@ -265,7 +265,7 @@ def test_the_block_check_by_batch_rows_gives_each_outputs_extremes_and_its_rows_
      (torch.nn.utils.rnn.pack_padded_sequence(torch.zeros(6, 5, 4), [5] * 6, batch_first=True),), None),
 ])
 def test_the_batch_is_the_root_inputs_first_dimension_unless_sequence_first_or_packed(root, inputs, size):
-    from gradmon.hooks import batch_size
+    from gradmon.capture.hooks import batch_size
     assert batch_size(root, inputs, {}) == size
 
 

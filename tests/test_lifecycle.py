@@ -239,7 +239,7 @@ def test_context_manager_detaches_on_error():
     ("pack", "step"),
 ])
 def test_errors_inside_hooks_are_counted_logged_once_and_never_raised(monkeypatch, attach, caplog, target, stage):
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
 
     def boom(*a, **k):
         raise RuntimeError("injected")
@@ -256,7 +256,7 @@ def test_errors_inside_hooks_are_counted_logged_once_and_never_raised(monkeypatc
 
 
 def test_collector_error_is_counted_and_the_scrape_still_works(attach, monkeypatch):
-    from gradmon import exporter
+    from gradmon.serve import exporter
     model = mlp()
     mon = attach(model)
     other = attach(nn.Sequential(nn.Linear(2, 2)), name="other")

@@ -268,7 +268,7 @@ def test_only_shard_placements_are_summed_for_tensor_parallel_layouts():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from gradmon import sharded
+    from gradmon.capture import sharded
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from conftest import fresh, value
-from gradmon import optimizer as O
+from gradmon.capture import optimizer as O
 
 LAYERS = ("0", "2")
 

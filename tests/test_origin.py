@@ -254,7 +254,7 @@ class Scaled(nn.Module):
 def count_extremes(monkeypatch) -> list:
     """The shapes of the tensors gradmon reads extremes of, one by one or many at once
     (the ordinary step's batched block check)."""
-    from gradmon import stats
+    from gradmon.capture import kernels as stats
 
     calls: list = []
     real, real_many = stats.extremes, stats.extremes_many

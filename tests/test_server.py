@@ -17,7 +17,7 @@ from torch import nn
 
 import gradmon
 from conftest import parse, value
-from gradmon.server import CachedExposition, MetricsServer
+from gradmon.serve.server import CachedExposition, MetricsServer
 
 
 def model() -> nn.Module:

@@ -27,8 +27,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 
-from gradmon import server as server_module
-from gradmon.server import MetricsServer, accepts_gzip, connection_cap
+from gradmon.serve import server as server_module
+from gradmon.serve.server import MetricsServer, accepts_gzip, connection_cap
 
 BODY = b"# TYPE x gauge\nx 1\n"
 TIMEOUT = 2.0  # connection_timeout of the servers made here
@@ -319,7 +319,7 @@ def test_when_every_connection_is_inside_a_request_a_new_one_is_turned_away(serv
 def test_other_paths_cannot_take_the_connections_the_metrics_path_needs(serve):
     """A page added to the endpoint later (as a UI or an API would be) inherits the share of
     connections that paths other than /metrics get: a quarter of the cap."""
-    from gradmon.server import Page
+    from gradmon.serve.server import Page
     server = serve(max_connections=8, connection_timeout=20)  # cap 8: other paths get 2
     entered, release = threading.Semaphore(0), threading.Event()
 
@@ -609,7 +609,7 @@ TRAINING_JOB = r"""
 import json, os, resource, sys, tempfile, threading, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 import torch
-from gradmon.server import MetricsServer
+from gradmon.serve.server import MetricsServer
 
 def census():
     return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
@@ -757,7 +757,7 @@ def test_guesses_from_many_addresses_are_capped_together_and_never_lock_out_a_sc
 
 
 def test_many_source_addresses_cannot_multiply_the_live_pages_rate(serve):
-    from gradmon.server import UI_OVERALL, Page
+    from gradmon.serve.server import UI_OVERALL, Page
     pages = {"/api/history": Page(lambda query: b"{}", auth=False, ctype="application/json", ui=True)}
     server = serve(pages=pages)
     t0 = time.monotonic()

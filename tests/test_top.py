@@ -14,7 +14,8 @@ import pytest
 
 import gradmon
 from conftest import sgd_steps, tiny
-from gradmon import alerting, top
+from gradmon import alerting
+from gradmon.clients import top
 from hostile_servers import RawServer, drip, exposition as hostile_exposition, redirect, respond
 from servers import free_port, running_demo
 

@@ -15,8 +15,8 @@ import unicodedata
 
 import pytest
 
-from gradmon import top
-from gradmon.sanitize import clean
+from gradmon.clients import top
+from gradmon.clients.sanitize import clean
 from hostile_servers import RawServer, drip, endless, exposition, forward_proxy, header, redirect, respond
 
 # what a terminal obeys (Cc: C0, DEL, C1), hides or reorders (Cf: bidi, zero-width), breaks

@@ -168,7 +168,7 @@ def test_the_trainer_callback_states_what_deepspeed_hides_in_the_log_and_in_cove
     that ZeRO keeps the gradients: the callback says so from the Trainer's arguments."""
     import types
 
-    from gradmon import sharded
+    from gradmon.capture import sharded
     from gradmon.integrations.transformers import GradmonCallback
 
     for deepspeed, want in (("ds_config.json", (sharded.DEEPSPEED,)), (None, ())):

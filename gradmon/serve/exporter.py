@@ -23,12 +23,12 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 
-from . import metrics as M
+from .. import metrics as M
 from . import process, tls, ui
-from .config import Config, utf8_text
-from .errors import ErrorLog
+from ..config import Config, utf8_text
+from ..errors import ErrorLog
 from .server import CachedExposition, MetricsServer
-from .snapshot import Snapshot
+from ..snapshot import Snapshot
 
 log = logging.getLogger("gradmon")
 

@@ -1,7 +1,7 @@
 """The live page: ``/`` on gradmon's endpoint, its script and style, and ``/api/history``.
 
 Everything is served from the process: the page is three small files in
-``gradmon/static`` (no CDN, no font, works offline), the data is each monitored model's
+``gradmon/serve/static`` (no CDN, no font, works offline), the data is each monitored model's
 :class:`gradmon.history.History` plus its latest snapshot, cut to what the page asks for
 (``since`` a step) and at most :data:`MAX_RESPONSE` bytes. The files are cacheable (an
 ETag, revalidated) and outside the rate limit, which only the data counts. GET only; no
@@ -20,8 +20,8 @@ import urllib.parse
 from importlib import resources
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from . import metrics as M
-from .config import Config
+from .. import metrics as M
+from ..config import Config
 from .server import Page
 
 MAX_RESPONSE = 2 ** 20
@@ -40,7 +40,7 @@ def pages(views: Callable[[], Iterable[Any]]) -> Dict[str, Page]:
 
 def _static(name: str, ctype: str) -> Page:
     """One of the page's files, read once: cacheable, its validator the hash of its bytes."""
-    body = resources.files("gradmon").joinpath("static", name).read_bytes()
+    body = resources.files(__package__).joinpath("static", name).read_bytes()
     etag = '"' + hashlib.sha256(body).hexdigest()[:20] + '"'
     return Page(lambda query: body, auth=True, ctype=ctype, ui=True, etag=etag)
 

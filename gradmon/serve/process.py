@@ -11,7 +11,7 @@ from typing import Dict, Iterator, Mapping, Tuple
 import psutil
 import torch
 
-from . import metrics as M
+from .. import metrics as M
 
 _PROC = psutil.Process()
 

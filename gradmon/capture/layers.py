@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .config import Config, utf8_text
+from ..config import Config, utf8_text
 
 ROOT_LABEL = "(root)"
 

@@ -1,0 +1,495 @@
+"""On-device statistics: small reductions launched from hooks, and the one per-step packet.
+
+Nothing here reads a value on the host. Every function returns device tensors; the
+only device-to-host transfer is :func:`to_host`, once per optimizer step, and on CUDA
+it is asynchronous (pinned buffer, ``non_blocking``, an event waited on by the
+publisher thread, never by the training thread).
+
+Values are shipped as float64 so that element counts stay exact far beyond float32's
+2**24 (a 100M-element gradient that is all NaN must count 100M).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_ZERO_COUNTS = torch.zeros(2, dtype=torch.int64)  # CPU only: see _host_says_finite
+
+
+def host_values(values: Sequence[object], device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A small tensor of values the host knows, on ``device``: built in host memory and
+    copied with ``non_blocking``, because ``torch.tensor`` given a CUDA ``device`` copies
+    synchronously (a stream sync, which ``set_sync_debug_mode("error")`` refuses)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _ship_dtype(device: torch.device) -> torch.dtype:
+    # MPS has no float64; counts there are exact only below 2**24 per tensor.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _norm_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+    """Reduce in float32 at least (a large fp16/bf16 norm must not overflow to Inf), and
+    in the tensor's own dtype when it is wider: vector_norm refuses to narrow float64."""
+    return torch.float32 if t.dtype in _LOW_PRECISION or t.dtype == torch.float32 else None
+
+
+_DOT_MIN = 2 ** 14  # below it the dot's extra sqrt launch costs more than it saves
+
+
+def _l2(t: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of ``t`` as a 0-d tensor, reduced in float32 at least. A large
+    contiguous float32/float64 tensor on the CPU takes the root of its BLAS dot product
+    with itself: 2-2.5x faster than ``vector_norm`` there, and more accurate (in float32
+    at 1M elements: 1e-6 relative error against vector_norm's 1e-5). Both overflow alike
+    (a value above ~1.8e19 squares to Inf in float32), so a finite norm still proves the
+    tensor finite (:func:`_host_says_finite`)."""
+    if (t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.numel() >= _DOT_MIN
+            and t.is_contiguous()):
+        flat = t.reshape(-1)
+        return torch.dot(flat, flat).sqrt()
+    return torch.linalg.vector_norm(t, 2, dtype=_norm_dtype(t))
+
+
+def _counts(t: torch.Tensor) -> torch.Tensor:
+    return torch.stack((torch.isnan(t).sum(), torch.isinf(t).sum()))
+
+
+def _host_says_finite(norms: torch.Tensor) -> bool:
+    """Whether counting can be skipped because every norm is finite.
+
+    A NaN element makes an L2 norm NaN and an Inf element makes it Inf (or NaN), so a
+    finite norm proves the tensor finite. Exact counts cost two more passes over the
+    data, ten times the norm itself. Only a CPU norm is looked at: it is host memory
+    already, so reading it waits for nothing (``tolist`` does not even dispatch). On
+    an accelerator the answer is always False and the counts are computed on the
+    device every step, because looking would be a host sync.
+    """
+    if norms.device.type != "cpu":
+        return False
+    values = norms.tolist()
+    return all(map(math.isfinite, values if isinstance(values, list) else [values]))
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    # Sparse gradients (nn.Embedding(sparse=True)) carry duplicate indices until
+    # coalesced; their values hold every element that is not an implicit zero.
+    return g.coalesce().values() if g.is_sparse else g
+
+
+def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(float32 or float64 [L2 norm, min, max], int64 [nan, inf]) of one layer output.
+
+    Three kernels per call, because hooks run once per layer per forward: the squaring
+    and max(|min|, |max|) happen on the host. min/max come from aminmax, ~12x faster on
+    CPU than the inf-norm kernel."""
+    x = x.detach()
+    norm = _l2(x)
+    lo, hi = torch.aminmax(x)
+    if lo.dtype != norm.dtype:  # a call per layer saved where they agree (float32, float64)
+        lo, hi = lo.to(norm.dtype), hi.to(norm.dtype)
+    counts = _ZERO_COUNTS if _host_says_finite(norm) else _counts(x)
+    return torch.stack((norm, lo, hi)), counts
+
+
+def extremes(x: torch.Tensor, batch: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+    """(min, max) of a tensor: one reduction kernel and no full-size temporary, where
+    ``isfinite(x).all()`` would allocate a bool copy as large as ``x`` (gigabytes for an
+    LLM's logits). Enough to tell a NaN or an Inf of either sign, and never overflows.
+
+    Given ``batch`` (``x`` :func:`has_rows`): (min, max, rows), the same pass made per
+    batch row, ``rows`` the (batch, 2) [min, max] of each row and min/max reduced from
+    them (over ``batch`` values, not the data). NaN propagates, so a row's pair says
+    whether that row holds a NaN or an Inf."""
+    if batch is None:
+        return torch.aminmax(x.detach())
+    lo, hi = torch.aminmax(x.detach().reshape(batch, -1), dim=1)
+    return lo.min(), hi.max(), torch.stack((lo, hi), dim=1)
+
+
+def has_rows(x: torch.Tensor, batch: Optional[int]) -> bool:
+    """Whether ``x``'s first dimension is the batch of ``batch`` rows."""
+    return batch is not None and x.dim() > 0 and x.shape[0] == batch and x.numel() > 0
+
+
+def extremes_and_nonzero(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """((min, max), [non-zero elements]) of an fp16 gradient: two reductions and no
+    full-size temporary (``count_nonzero`` reduces in place, where ``g == 0`` would
+    allocate a bool copy); the zeros are the rest of ``numel``, counted on the host."""
+    g = _dense(g.detach())
+    return torch.stack(torch.aminmax(g)), torch.count_nonzero(g).reshape(1)
+
+
+MOMENTS_SAMPLE = 2 ** 14
+"""Most elements of one output that :func:`moments_record` reads. The kurtosis of 16,384
+elements has a standard error near 0.04 for a Gaussian (3 ± 0.04), far below what an
+outlier feature does to it (tens to thousands), and an output of any size then costs one
+copy of the sample during forward."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _sample_stride(shape: Sequence[int], numel: int, limit: int) -> int:
+    """The step of a systematic sample of at most ``limit`` elements of a contiguous
+    tensor of ``shape``: a prime that divides no dimension, so that the sample visits every
+    index of every dimension (every feature, channel and position) in equal measure
+    rather than one column over and over."""
+    step = max(1, -(-numel // limit))
+    while step > 1 and (not _is_prime(step) or any(d % step == 0 for d in shape)):
+        step += 1
+    return step
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % k for k in range(2, int(n ** 0.5) + 1))
+
+
+RUN = 16
+"""Elements of one contiguous run of :func:`sample_runs`: 64 bytes of float32, one cache
+line read whole, where single elements a stride apart cost a line each (gathering 16K
+of them from each of a model's weights, gradients and two Adam moments took ~5 ms on the
+reference CPU). Runs of 256 were cheaper still but, with only 64 of them per matrix,
+missed rows enough to move an embedding's ratio by 4 %; 16 keeps it near 1 %."""
+
+
+@functools.lru_cache(maxsize=1024)
+def sample_runs(shape: Sequence[int], numel: int, limit: int) -> Tuple[int, int]:
+    """(runs, step): a sample of a contiguous tensor of ``shape`` (``numel`` > ``limit``)
+    made of ``runs`` runs of :data:`RUN` consecutive elements starting every ``step``
+    elements, at most ``limit`` elements in all. ``step`` shares no factor with any
+    dimension, so the runs start at every offset of every row in equal measure rather than
+    all at column 0 (a run shorter than a row would otherwise never see its last columns)."""
+    runs = max(1, min(limit, numel) // RUN)
+    if runs == 1:
+        return 1, 0
+    step = (numel - RUN) // (runs - 1)
+    while step > RUN and any(math.gcd(step, d) > 1 for d in shape if d > 1):
+        step -= 1
+    return runs, step
+
+
+def sample(x: torch.Tensor, limit: int) -> torch.Tensor:
+    """The elements of ``x`` (flat) that a sampled statistic reads: all of them up to
+    ``limit``, else every ``_sample_stride``-th one; a view of ``x`` (no copy). Single
+    elements a prime stride apart reach every index of every dimension (every feature,
+    channel and spatial row); :func:`sample_runs` is cheaper to gather but only spreads
+    evenly over a matrix's rows and columns."""
+    flat = x.detach().reshape(-1)
+    stride = _sample_stride(x.shape, flat.numel(), limit)
+    return flat[::stride] if stride > 1 else flat
+
+
+def moments_record(x: torch.Tensor, limit: int = MOMENTS_SAMPLE) -> Tuple[torch.Tensor]:
+    """One record's raw material for the MOMENTS columns: the output's sample
+    (:func:`sample`), copied flat in float32 at least. The moments themselves are computed
+    for all of a step's records at once by :func:`moments_block`: a handful of kernels per
+    step instead of a dozen per layer."""
+    part = sample(x, limit)
+    wide = torch.float64 if part.dtype == torch.float64 else torch.float32
+    return part.to(dtype=wide, copy=True).reshape(-1),
+
+
+class Scratch:
+    """Memory one caller reuses from call to call, for the large temporaries of a step's
+    batched statistics. On the CPU a fresh block of a few MB is fresh pages from the OS,
+    and faulting them in costs more than the arithmetic on them (``z * z`` over the
+    benchmark's GPT's (41, 16K) moments block: 0.74 ms into fresh memory, 0.05 ms into
+    memory used before); a device's caching allocator already reuses its blocks, so
+    elsewhere each call gets fresh memory and nothing is held. Held memory is the largest
+    block asked for under each name; nothing returned to callers may alias it."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: Dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor of ``shape``; on the CPU the memory ``name`` held last time."""
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        numel = math.prod(shape)
+        held = self._held.get(name)
+        if held is None or held.dtype != dtype or held.numel() < numel:
+            held = self._held[name] = torch.empty(numel, dtype=dtype)
+        return held[:numel].view(shape)
+
+    def padded(self, name: str, pieces: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
+               ) -> torch.Tensor:
+        """1-D ``pieces`` as the zero-padded rows of one (n, longest) block on ``device``."""
+        if device.type != "cpu":
+            return torch.nn.utils.rnn.pad_sequence([t.to(device, dtype) for t in pieces], batch_first=True)
+        lengths = [t.numel() for t in pieces]
+        block = self.take(name, (len(pieces), max(lengths)), dtype, device)
+        for row, t, k in zip(block, pieces, lengths):
+            row[:k].copy_(t)
+            if k < row.shape[0]:
+                row[k:].zero_()
+        return block
+
+
+def moments_block(samples: Sequence[torch.Tensor], numels: Sequence[int], home: torch.device,
+                  scratch: Optional[Scratch] = None) -> torch.Tensor:
+    """(n, 6) MOMENTS rows [mean, scale, m1, m2, m3, m4] of n records' samples, with
+    m_k = sum(z**k), z = (x - mean) / scale, each row's sums scaled from its sample to the
+    ``numels`` elements its output held, so that outputs of different sizes fold in
+    proportion to their sizes. Centred, because raw power sums cancel catastrophically
+    (activations near 1e4 with a spread of 0.1 lose every digit even in float64); scaled to
+    unit RMS, because the fourth power of a blown-up activation overflows float32 long
+    before the activation itself does. The float32 mean's rounding is left in m1 for the
+    host to correct. The samples are zero-padded to one (n, longest) block; the padding is
+    masked out after centring."""
+    lengths = tuple(t.numel() for t in samples)
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in samples) else torch.float32
+    scratch = scratch or Scratch()
+    block = scratch.padded("moments", samples, dtype, home)
+    n = host_values(lengths, home, dtype).unsqueeze(1)
+    mean = block.sum(1, keepdim=True) / n
+    # in place where it can be: on the CPU every fresh block-sized tensor is fresh pages
+    # from the OS, slower to fault in than the arithmetic on them
+    z = block.sub_(mean)
+    if min(lengths) < block.shape[1]:
+        z.mul_(_padding_mask(lengths, home, dtype))
+    norm = torch.linalg.vector_norm(z, dim=1, keepdim=True)
+    scale = (norm / n.sqrt()).clamp_min_(torch.finfo(dtype).tiny)
+    z.div_(scale)
+    z2 = torch.mul(z, z, out=scratch.take("moments_squares", tuple(z.shape), dtype, home))
+    m4 = torch.linalg.vector_norm(z2, dim=1, keepdim=True).square_()
+    sums = torch.cat((z.sum(1, keepdim=True),
+                      (norm / scale).square_(),  # sum(z**2) without another pass
+                      z2.mul_(z).sum(1, keepdim=True), m4), dim=1)
+    up = host_values([numel / length for numel, length in zip(numels, lengths)], home, dtype)
+    return torch.cat((mean, scale, sums * up.unsqueeze(1)), dim=1)
+
+
+@functools.lru_cache(maxsize=16)
+def _padding_mask(lengths: Tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """(n, longest) 1 where a row of lengths ``lengths`` holds an element, 0 in its padding,
+    in ``dtype`` (a multiplier in the block's own dtype: a bool one costs a conversion pass,
+    ~8x the multiply itself on the CPU): the same few layouts come back every detail step,
+    so it is built once each."""
+    n = torch.tensor(lengths).unsqueeze(1)
+    return (torch.arange(max(lengths)) < n).to(device=device, dtype=dtype, non_blocking=True)
+
+
+def padded_rows(pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Short 1-D ``pieces`` (a few thousand elements each) as the zero-padded rows of one
+    (n, longest) block in ``dtype``: one concatenation scattered under a cached mask, half
+    the time of ``pad_sequence``'s copy per row at these sizes (it wins back above ~10K)."""
+    lengths = tuple(t.numel() for t in pieces)
+    mask = _padding_mask(lengths, pieces[0].device)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_scatter_(mask, torch.cat(pieces).to(dtype))
+
+
+def gradient_record(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [L2 norm], int64 [nan, inf]) of one gradient: w.r.t. a layer's output
+    (gradient flow), or one parameter's own gradient before DDP's all-reduce."""
+    g = _dense(g)
+    norm = _l2(g)
+    counts = _ZERO_COUNTS if _host_says_finite(norm) else _counts(g)
+    return norm.reshape(1), counts
+
+
+def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """(an (n, 3) tensor on ``home``, row order): columns are L2 norm, NaN count, Inf
+    count; row j describes ``grads[order[j]]``.
+
+    The norms go through ``torch._foreach_norm`` (one multi-tensor kernel per device and
+    dtype rather than one per parameter); fp16/bf16 gradients are reduced in float32 so
+    that a large but finite norm does not overflow to Inf. Rows come grouped by device
+    and the host undoes the grouping, because scattering them back on the device would
+    need an index tensor copied from the host.
+    """
+    dense = [_dense(g) for g in grads] if any(map(_IS_SPARSE, grads)) else grads
+    numels = list(map(torch.Tensor.numel, dense))
+    ship = _ship_dtype(home)
+    blocks: List[torch.Tensor] = []
+    order: List[int] = []
+    for (_device, dtype, small), idx in _groups(dense, numels).items():
+        group = [dense[i] for i in idx]
+        norms = _norms(group, dtype, small)
+        if _host_says_finite(norms):
+            counts = torch.zeros((len(group), 2), dtype=ship, device=norms.device)
+        else:
+            counts = torch.stack([_counts(g) for g in group]).to(ship)
+        blocks.append(torch.cat((norms.to(ship).unsqueeze(1), counts), dim=1).to(home, non_blocking=True))
+        order.extend(idx)
+    rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return rows, tuple(order)
+
+
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_IS_CUDA = operator.attrgetter("is_cuda")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _groups(tensors: Sequence[torch.Tensor], numels: Sequence[int]
+            ) -> Dict[Tuple[torch.device, torch.dtype, bool], List[int]]:
+    """Positions of ``tensors`` by (device, dtype, small): the reductions' groups; a small
+    tensor (below ``_DOT_MIN`` elements) costs less to copy than to launch a kernel for. Read
+    with C-level maps (a model's thousands of gradients all share one device and dtype),
+    not a Python loop of attribute reads per tensor."""
+    # a device index and the CUDA flag: reading ``.device`` builds an object per tensor
+    kinds = set(zip(map(torch.Tensor.get_device, tensors), map(_IS_CUDA, tensors), map(_DTYPE, tensors)))
+    if len(kinds) == 1:
+        device, dtype = tensors[0].device, tensors[0].dtype
+        small = [i for i, n in enumerate(numels) if n < _DOT_MIN]
+        if len(small) == len(numels):
+            return {(device, dtype, True): small}
+        large = [i for i, n in enumerate(numels) if n >= _DOT_MIN]
+        return {key: idx for key, idx in (((device, dtype, True), small), ((device, dtype, False), large)) if idx}
+    groups: Dict[Tuple[torch.device, torch.dtype, bool], List[int]] = defaultdict(list)
+    for i, (t, n) in enumerate(zip(tensors, numels)):
+        groups[(t.device, t.dtype, n < _DOT_MIN)].append(i)
+    return groups
+
+
+def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool) -> torch.Tensor:
+    """L2 norms of tensors of one device and ``dtype``, stacked: one multi-tensor kernel,
+    except on the CPU, where ``_foreach_norm`` is a loop over ``vector_norm`` (a dispatch
+    per tensor, the whole cost of a small one): there the small float32/float64 ones are
+    copied into one vector and reduced by segment (:func:`_segment_norms`), and the large
+    ones take :func:`_l2`'s dot product (~25 % less than vector_norm on the reference
+    benchmark's gradients)."""
+    low = torch.float32 if dtype in _LOW_PRECISION else None
+    if group[0].device.type != "cpu" or low is not None:
+        return torch.stack(torch._foreach_norm(group, 2, dtype=low))
+    if small:
+        return _segment_norms(group)
+    return torch.stack([_l2(g) for g in group])
+
+
+def _flat(group: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(one 1-D copy of every tensor of ``group``, in order; their lengths on its device).
+    One C++ call however many tensors: no Python and no kernel dispatch per tensor."""
+    flat = torch._C._nn.flatten_dense_tensors(list(group))
+    return flat, _lengths(tuple(map(torch.Tensor.numel, group)), flat.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths(lengths: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # the same few layouts come back every step: built and copied once each
+    return host_values(lengths, device, torch.int64)
+
+
+def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norms of small float32/float64 tensors: squared in their own dtype, so that they
+    overflow as :func:`_l2` and vector_norm do (a finite norm proves a tensor finite, and
+    a float32 norm past float32's range is Inf whichever path took it), summed in float64."""
+    flat, lengths = _flat(group)
+    return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths).sqrt_()
+
+
+@torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
+def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int] = None,
+                  rows: Optional[List[Tuple[int, torch.Tensor, int]]] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """(lo, hi, order): the min and max of each of ``tensors`` as two (n, 1) columns on
+    ``home`` in the ship dtype, row j describing ``tensors[order[j]]``. The check of many
+    small outputs at once (the top-level blocks of a forward): those of one device and
+    dtype are copied into one vector and reduced by segment, a few kernels in all where
+    :func:`extremes` would dispatch one per tensor; a large one gets its own ``aminmax``.
+    NaN propagates through both, and an Inf keeps its sign, as in :func:`extremes`.
+
+    Given ``batch`` and a list ``rows``, a tensor whose first dimension is the batch
+    (:func:`has_rows`) is reduced by batch row instead of whole, its lo/hi then taken from
+    its rows' (no second pass over the data), and ``(i, block, start)`` is appended to
+    ``rows``: ``block[start:start + batch]`` are the [min, max] of ``tensors[i]``'s rows
+    (one (n, 2) block per group, shared, so that no kernel is launched per tensor)."""
+    groups = _groups(tensors, list(map(torch.Tensor.numel, tensors)))
+    ship = _ship_dtype(home)
+    los: List[torch.Tensor] = []
+    his: List[torch.Tensor] = []
+    order: List[int] = []
+    for (_device, dtype, small), idx in groups.items():
+        group = [tensors[i] for i in idx]
+        split = [rows is not None and has_rows(t, batch) for t in group]
+        if small:
+            flat, lengths = _flat(group)
+            if dtype in _LOW_PRECISION:
+                flat = flat.float()  # every fp16/bf16 value is exact in float32
+            if any(split):
+                lo, hi = _by_rows(flat, group, split, batch, idx, rows)  # type: ignore[arg-type]
+            else:
+                lo = torch.segment_reduce(flat, "min", lengths=lengths)
+                hi = torch.segment_reduce(flat, "max", lengths=lengths)
+        else:
+            made = [extremes(t, batch) if cut else (*torch.aminmax(t), None)
+                    for t, cut in zip(group, split)]
+            if rows is not None:
+                rows.extend((i, m[2], 0) for i, m in zip(idx, made) if m[2] is not None)
+            lo, hi = torch.stack([m[0] for m in made]), torch.stack([m[1] for m in made])
+        los.append(lo.to(home, ship, non_blocking=True))
+        his.append(hi.to(home, ship, non_blocking=True))
+        order.extend(idx)
+    lo, hi = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (los, his))
+    return lo.unsqueeze(1), hi.unsqueeze(1), tuple(order)
+
+
+def _by_rows(flat: torch.Tensor, group: Sequence[torch.Tensor], split: Sequence[bool], batch: int,
+             idx: Sequence[int], rows: List[Tuple[int, torch.Tensor, int]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each tensor's (lo, hi) of the flat copy of ``group``, reduced by segment: one
+    segment per batch row of a tensor ``split`` by rows, one per other tensor; each
+    tensor's lo/hi then reduced from its segments' (a second reduction over a few values
+    per tensor, not over the data). Appends where each split tensor's rows lie in the
+    group's one (segments, 2) block of [min, max]."""
+    segments, counts, starts = _row_layout(tuple(map(torch.Tensor.numel, group)), tuple(split), batch, flat.device)
+    lo = torch.segment_reduce(flat, "min", lengths=segments)
+    hi = torch.segment_reduce(flat, "max", lengths=segments)
+    block = torch.stack((lo, hi), dim=1)
+    rows.extend((i, block, start) for i, cut, start in zip(idx, split, starts) if cut)
+    return torch.segment_reduce(lo, "min", lengths=counts), torch.segment_reduce(hi, "max", lengths=counts)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_layout(numels: Tuple[int, ...], split: Tuple[bool, ...], batch: int, device: torch.device
+                ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """(segment lengths, segments per tensor, each tensor's first segment) of :func:`_by_rows`:
+    the same layout comes back every ordinary step, built and copied once."""
+    per = tuple(batch if cut else 1 for cut in split)
+    lengths = tuple(n for numel, cut in zip(numels, split) for n in ((numel // batch,) * batch if cut else (numel,)))
+    starts = tuple(itertools.accumulate(per, initial=0))[:-1]
+    return host_values(lengths, device, torch.int64), host_values(per, device, torch.int64), starts
+
+
+def pack(parts: Sequence[torch.Tensor], home: torch.device) -> torch.Tensor:
+    """One flat vector on ``home`` of every part, in order (the step's only packet)."""
+    ship = _ship_dtype(home)
+    flat = [p.reshape(-1).to(device=home, dtype=ship, non_blocking=True) for p in parts if p.numel()]
+    if not flat:
+        return torch.empty(0, dtype=ship, device=home)
+    return torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+
+
+def stack_records(records: Sequence[torch.Tensor], home: torch.device) -> torch.Tensor:
+    """Stack per-call records (possibly on several devices) into one tensor on ``home``."""
+    if not records:
+        return torch.empty(0, device=home)
+    devices = {r.device for r in records}
+    if len(devices) > 1:
+        records = [r.to(home, non_blocking=True) for r in records]
+    return torch.stack(list(records))
+
+
+def to_host(packet: torch.Tensor) -> Tuple[torch.Tensor, Optional[object]]:
+    """Start the packet's transfer to host memory; return (host tensor, event or None).
+
+    The caller must not read the host tensor before ``event.synchronize()``. CPU packets
+    are already host memory. Devices without events (MPS, XLA) copy synchronously,
+    which is once per step, not per layer.
+    """
+    if packet.device.type == "cpu":
+        return packet, None
+    if packet.device.type == "cuda":
+        host = torch.empty(packet.shape, dtype=packet.dtype, pin_memory=True)
+        host.copy_(packet, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+    return packet.to("cpu"), None

@@ -1,0 +1,47 @@
+"""The step packet: what the training thread hands the publisher once per optimizer step.
+
+Written on the training thread (``hooks``), read on the publisher thread (``snapshot``); it
+lives apart from both so that neither side imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ..statistics import Section
+
+
+@dataclass(frozen=True)
+class StepPacket:
+    """What one optimizer step measured, still in the packed device layout: the
+    records of each statistic in ``sections`` (laid out as ``statistics.read`` reads
+    them), then one value per name in ``scalars`` (``statistics.read_scalars``)."""
+
+    index: int
+    global_step: int
+    time: float
+    data: object = None  # a host tensor, valid once ``event`` has completed
+    event: object = None
+    sections: Tuple[Section, ...] = ()
+    scalars: Tuple[str, ...] = ()  # the step scalars after the sections (statistics.SCALAR_*)
+    skipped: bool = False  # an overflow step the GradScaler skipped: data holds only the step scalars
+    sampled: bool = True
+    detail: bool = False
+    measured_at_step: bool = False  # gradients measured at the optimizer step, not at the end of backward
+    learning_rates: Tuple[Optional[float], ...] = ()
+    """Per param group; None: a tensor, packed as the step scalar ``lr/<group>``."""
+    rows: Tuple[Tuple[int, object, int, int, int], ...] = ()
+    """(block key, block, start, batch, forward): ``block[start:start + batch]`` is the
+    [min, max] of each batch row of one tensor of that block's value in the step's
+    ``forward``-th forward (micro-batch); device tensors, read on the host only at an
+    incident (``incidents``)."""
+
+
+@dataclass(frozen=True)
+class GlobalStepUpdate:
+    """``monitor.step(n)`` after the optimizer already published the step: relabel it;
+    after a step the scaler skipped: only the current step number moves."""
+
+    global_step: int
+    skipped: bool = False
