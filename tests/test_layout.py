@@ -1,0 +1,89 @@
+"""The package layout says which thread runs what (gradmon/capture, serve, clients: their
+__init__ docstrings), and imports go one way between them: checked on the source with ``ast``
+by scripts/sizes.py, which prints the same findings."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_sizes():
+    spec = importlib.util.spec_from_file_location("gradmon_sizes", ROOT / "scripts" / "sizes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+sizes = _load_sizes()
+
+# (importer, imported) pairs that point the wrong way today, each with the change that removes it.
+KNOWN = {
+    ("gradmon.clients.top", "gradmon.alerting"),  # moved with issue 23's thresholds
+    ("gradmon.clients.demo", "gradmon.alerting"),  # moved with issue 23's thresholds
+}
+
+
+def _wrong_way(root: Path = sizes.PACKAGE):
+    return {(imp.importer, imp.imported): str(imp) for imp, _ in sizes.wrong_way(sizes.imports(root))}
+
+
+def test_no_import_points_the_wrong_way_between_the_threads_packages():
+    unexpected = {pair: where for pair, where in _wrong_way().items() if pair not in KNOWN}
+    assert not unexpected, sorted(unexpected.values())
+
+
+def test_every_known_exception_still_exists():
+    """When issue 23 moves the thresholds into a shared module, the exception goes too."""
+    assert KNOWN <= set(_wrong_way()), KNOWN - set(_wrong_way())
+
+
+def _package(tmp_path: Path, files: dict) -> Path:
+    root = tmp_path / "gradmon"
+    for name, text in {"__init__.py": "", "capture/__init__.py": "", "serve/__init__.py": "", **files}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("statement", [
+    "from ..serve import exporter", "from ..serve.exporter import Collector", "import gradmon.serve.exporter",
+    "from .. import snapshot", "from ..spikes import SpikeTracker", "from gradmon.history import History",
+])
+def test_the_check_finds_capture_importing_the_publisher_or_scrape_side(tmp_path, statement):
+    root = _package(tmp_path, {"capture/hooks.py": f"def record():\n    {statement}\n",
+                               "serve/exporter.py": "", "snapshot.py": "", "spikes.py": "", "history.py": ""})
+    assert [(i.importer, r.importer) for i, r in sizes.wrong_way(sizes.imports(root))] == [
+        ("gradmon.capture.hooks", "gradmon.capture")]
+
+
+def test_the_check_finds_a_runtime_module_importing_the_build_time_generators(tmp_path):
+    root = _package(tmp_path, {"ui.py": "from .alerting import Thresholds\n", "alerting.py": ""})
+    assert [str(i) for i, _ in sizes.wrong_way(sizes.imports(root))] == ["gradmon.ui:1 imports gradmon.alerting"]
+
+
+def test_the_check_follows_a_compatibility_shim_to_the_module_it_stands_for(tmp_path):
+    shim = "import sys\n\nfrom .serve import run_end\n\nsys.modules[__name__] = run_end\n"
+    root = _package(tmp_path, {"run_end.py": shim, "serve/run_end.py": "",
+                               "capture/hooks.py": "from .. import run_end\n"})
+    assert [str(i) for i, _ in sizes.wrong_way(sizes.imports(root))] == [
+        "gradmon.capture.hooks:1 imports gradmon.serve.run_end"]
+
+
+def test_the_check_lets_capture_import_its_own_modules_and_the_shared_declarations(tmp_path):
+    root = _package(tmp_path, {"capture/hooks.py": "from . import kernels\nfrom .. import statistics\n",
+                               "capture/kernels.py": "", "statistics.py": "from .capture import kernels\n"})
+    assert sizes.wrong_way(sizes.imports(root)) == []
+
+
+def test_every_thread_package_says_in_its_docstring_which_thread_runs_it_and_what_it_may_import():
+    for package in ("capture", "serve", "clients"):
+        doc = (sizes.PACKAGE / package / "__init__.py").read_text()
+        docstring = doc.split('"""')[1] if doc.startswith('"""') else ""
+        assert "\nMay import: " in docstring and ("thread" in docstring or "process" in docstring), package
