@@ -48,6 +48,7 @@ from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import amp, optimizer, sharded
+from .boundary import Event, StepBoundary
 from . import kernels as stats
 from .. import statistics as S
 from ..config import Config
@@ -458,12 +459,11 @@ class Recorder:
         self._batch_blocks = all(st.record_many is not None for st in self._at[S.BLOCK])
         self._defer_blocks = False  # this step's block checks wait for the end of the forward
         self._params_now: Optional[List[Optional[torch.Tensor]]] = None  # as this step's measure saw them
-        self._measure_failed = False
         self.scaler = cfg.scaler
         self._scale: Optional[torch.Tensor] = None  # loss scale during this step's backward
         self._loss_sum: Optional[torch.Tensor] = None  # observe(loss=...) since the last step, on the device
         self._loss_count = 0
-        self._stepped = False
+        self._step = StepBoundary()
         self._owned: Dict[int, Tuple[Any, bool]] = {}  # id(optimizer) -> (weakref, mine)
         self._primary: Optional[Any] = None
         self.active = True
@@ -479,9 +479,6 @@ class Recorder:
         self._unmeasured: set = set()  # kinds of output tensor skipped, already logged
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._accumulated = False  # autograd accumulated a monitored gradient in this backward
-        self._fresh_backward = False  # self._batched holds this step's gradients
-        self._measured_at_step = False
-        self._last_closed: Optional[str] = None  # who closed the last step: optimizer, scaler, manual
         self._found_inf: Optional[torch.Tensor] = None  # a fused optimizer's overflow flag, this step
         self._last_record: Dict[str, Tuple[torch.Tensor, int, List[Tuple[Statistic, Any]]]] = {}
         # The combined statistics' temporaries, kept from one detail step to the next only
@@ -851,11 +848,10 @@ class Recorder:
                 self._accumulated = False
                 self._step_seen = _graph_task_id() == self._seen_task
                 self._scale = amp.scale_tensor(self.scaler)
-                self._fresh_backward = True  # even if measuring fails: the step must still count
-                self._measured_at_step = False
+                self._step.fire(Event.BACKWARD)  # even if measuring fails: the step must still count
                 self._measure_grads()
         except Exception as exc:
-            self._measure_failed = True
+            self._step.fail()
             self.errors.record("backward", exc)
         finally:
             self.overhead += perf_counter() - t0
@@ -935,21 +931,20 @@ class Recorder:
             # now, after any clipping; a backward inside the closure measures again.
             # Only for the first optimizer, so that a second optimizer over the same
             # model does not count the step twice.
-            if not self._fresh_backward and self._primary is not None and self._primary() is opt:
-                self._fresh_backward = True
-                self._measured_at_step = True
+            if not self._step.measured and self._primary is not None and self._primary() is opt:
+                self._step.fire(Event.AT_STEP)
                 self._scale = amp.scale_tensor(self.scaler)
                 self._measure_grads()
                 self._unseen = self._unseen or bool(self._batched)
         except Exception as exc:
-            self._measure_failed = True
+            self._step.fail()
             self.errors.record("step", exc)
         finally:
             self.overhead += perf_counter() - t0
 
     def on_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
-            if not self.active or not self.owns(opt) or not self._fresh_backward:
+            if not self.active or not self.owns(opt) or not self._step.measured:
                 return
             gs = _optimizer_step_value(opt)
             # every step, whatever optimizer_every says: floats are free, tensors are packed
@@ -1012,18 +1007,18 @@ class Recorder:
     def manual_step(self, global_step: Optional[int]) -> None:
         if not self.active:
             return
-        if self._last_closed in ("optimizer", "scaler") and not self._fresh_backward:
+        if self._step.relabels:
             # The optimizer hook already published this step, or the scaler skipped it (a
             # trainer counts it all the same); only the number changes, and the next step
             # follows it.
             if global_step is not None:
                 self.step_offset = global_step - self.steps
-                self.publish(GlobalStepUpdate(global_step, skipped=self._last_closed == "scaler"))
+                self.publish(GlobalStepUpdate(global_step, skipped=self._step.skipped))
             return
-        if not self._fresh_backward:
+        if not self._step.measured:
             t0 = perf_counter()
             try:
-                self._measured_at_step = True
+                self._step.fire(Event.AT_STEP)
                 self._measure_grads()
                 self._unseen = self._unseen or bool(self._batched)
             except Exception as exc:
@@ -1039,8 +1034,8 @@ class Recorder:
         step the scaler skipped on overflow."""
         if not self.active:
             return
-        if self._stepped or not self._fresh_backward:
-            self._stepped = False
+        if not self._step.skipped_at_update:
+            self._step.fire(Event.SCALER_UPDATE)
             return
         t0 = perf_counter()
         try:
@@ -1051,16 +1046,15 @@ class Recorder:
         except Exception as exc:
             self.errors.record("step", exc)
         finally:
-            self._last_closed = "scaler"
+            self._step.fire(Event.SCALER_UPDATE)  # closes the step as skipped
             self._close_step()
             self.overhead += perf_counter() - t0
 
     def end_step(self, optimizer_step: Optional[int], by_optimizer: bool) -> None:
         t0 = perf_counter()
         index = self.steps
-        self._stepped = True
         global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
-        packet = StepPacket(index, global_step, time.time(), measured_at_step=self._measured_at_step,
+        packet = StepPacket(index, global_step, time.time(), measured_at_step=self._step.measured_at_step,
                             learning_rates=S.host_learning_rates(self._learning_rates), rows=self._rows.take())
         if self._shard_groups:
             self._reduce_shards()
@@ -1075,8 +1069,8 @@ class Recorder:
             self.publish(packet)
         except Exception as exc:  # pragma: no cover - SimpleQueue.put does not fail
             self.errors.record("step", exc)
+        self._step.fire(Event.OPTIMIZER if by_optimizer else Event.MANUAL)
         self._close_step()
-        self._last_closed = "optimizer" if by_optimizer else "manual"
         self.steps += 1
         self.detail_now = self.steps % self.cfg.detail_every == 0
         # on a detail step a block that is a layer takes its extremes from its activation record
@@ -1106,10 +1100,7 @@ class Recorder:
         self._found_inf = None
         self._learning_rates = ()
         self._scale = None
-        self._measure_failed = False
-        self._fresh_backward = False
         self._accumulated = False
-        self._measured_at_step = False
         self._loss_sum = None
         self._loss_count = 0
         self._blocks.drop()
@@ -1121,7 +1112,7 @@ class Recorder:
         for st in self._at[S.PARAM_GRAD]:
             rows, order, numels = self._batched.pop(st.name, (None, (), ()))
             try:
-                rows, _ok = sharded.all_reduce_rows(rows, order, self._shard_groups, self._measure_failed,
+                rows, _ok = sharded.all_reduce_rows(rows, order, self._shard_groups, self._step.failed,
                                                     [c.fold for c in st.columns])
                 if rows is not None:
                     self._batched[st.name] = (rows, order, numels)
