@@ -39,7 +39,6 @@ import logging
 import time
 import weakref
 from functools import partial
-from time import perf_counter
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -49,6 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from . import amp, optimizer, sharded
 from .boundary import Event, StepBoundary
+from .guard import Guards
 from . import kernels as stats
 from .. import statistics as S
 from ..config import Config
@@ -467,7 +467,7 @@ class Recorder:
         self._owned: Dict[int, Tuple[Any, bool]] = {}  # id(optimizer) -> (weakref, mine)
         self._primary: Optional[Any] = None
         self.active = True
-        self.overhead = 0.0
+        self._guard = Guards(errors)
         self.steps = 0
         self.step_offset = 0
         self.detail_now = True
@@ -487,6 +487,11 @@ class Recorder:
         # cadence keeping them would hold memory (5 MB there, up to 32 MB) for 0.02 %.
         self._scratch = stats.Scratch() if cfg.detail_every <= KEEP_SCRATCH_EVERY else None
         self._reset_records()
+
+    @property
+    def overhead(self) -> float:
+        """Seconds the hooks spent on the training thread (gradmon_overhead_seconds_total)."""
+        return self._guard.seconds
 
     def _reset_records(self) -> None:
         # OUTPUT records are complete once the root forward returned; the others once
@@ -558,16 +563,11 @@ class Recorder:
             return
         if self._accumulated and not self._at[S.LOCAL_GRAD] and _graph_task_id() == self._task:
             return  # this backward's callback is queued: nothing else to do (77 calls a step on a small GPT)
-        t0 = perf_counter()
-        try:
+        with self._guard("backward"):
             self._accumulated = True
             self._enter_backward()
             if self._at[S.LOCAL_GRAD] and p.grad is not None:
                 self._record(S.LOCAL_GRAD, param, sharded.local(p.grad), "backward")
-        except Exception as exc:
-            self.errors.record("backward", exc)
-        finally:
-            self.overhead += perf_counter() - t0
 
     def _record(self, at: str, key: int, t: torch.Tensor, stage: str) -> None:
         """One record of every statistic recorded at ``at``, of the tensor ``t``; a
@@ -660,15 +660,10 @@ class Recorder:
             records.drop_pending()
         self._blocks.drop()
         self._in_root = True
-        t0 = perf_counter()
-        try:
+        with self._guard("forward"):
             self._rows.start(module, args, kwargs)
             if self._at[S.BLOCK] and self._training_forward(module):
                 self._record_forward(S.BLOCK, 0, (args, kwargs))
-        except Exception as exc:
-            self.errors.record("forward", exc)
-        finally:
-            self.overhead += perf_counter() - t0
 
     def on_root_exit(self, module: nn.Module, inputs: Any, output: Any) -> None:
         """The root's forward ended, returned or raised (``always_call``)."""
@@ -683,17 +678,12 @@ class Recorder:
         if torch.compiler.is_compiling():  # see _compiling; called directly: this runs per block per step
             self._compiled = True
             return
-        t0 = perf_counter()
-        try:
+        with self._guard("forward"):
             if self._training_forward(module):
                 if not (self._defer_blocks and self._blocks.defer(block, output)):
                     self._record_forward(S.BLOCK, block, output)
                 if not self._in_root:
                     self._watch_backward(output)
-        except Exception as exc:
-            self.errors.record("forward", exc)
-        finally:
-            self.overhead += perf_counter() - t0
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
         if _compiling():
@@ -701,32 +691,22 @@ class Recorder:
             return
         if not (self.detail_now or self._at[S.LAYER]):
             return
-        t0 = perf_counter()
-        try:
+        with self._guard("forward"):
             if self._training_forward(module):
                 # on a detail step the activation record already holds the same extremes
                 if not (self.detail_now and self._output_has_extremes):
                     self._record_forward(S.LAYER, layer, output)
                 if self.detail_now:
                     self._record_forward(S.OUTPUT, layer, output, grad_flow=bool(self._at[S.OUTPUT_GRAD]))
-        except Exception as exc:
-            self.errors.record("forward", exc)
-        finally:
-            self.overhead += perf_counter() - t0
 
     def on_grad_flow(self, layer: int, grad: torch.Tensor) -> None:
         if not self.active or grad is None:
             return
-        t0 = perf_counter()
-        try:
+        with self._guard("grad_flow"):
             self._enter_backward()
             values_of = self._measurable(grad, S.OUTPUT_GRAD, layer)
             if values_of is not None:
                 self._record(S.OUTPUT_GRAD, layer, values_of, "grad_flow")
-        except Exception as exc:
-            self.errors.record("grad_flow", exc)
-        finally:
-            self.overhead += perf_counter() - t0
 
     # -- end of backward -----------------------------------------------------------
 
@@ -736,28 +716,31 @@ class Recorder:
         forward, not inside it), so end-of-backward measurement works under compile."""
         if not self.active:
             return
-        t0 = perf_counter()
-        alias: Tuple[int, ...] = ()
-        try:
-            if self._at[S.BLOCK] and self._training_forward(module):
-                last = self._blocks.last()
-                if last is not None and output is last[1] and output._version == last[2]:
-                    alias = (self.blocks + 1,)  # the last block's output, unchanged: its record
-                else:
-                    self._record_forward(S.BLOCK, self.blocks + 1, output)
-        except Exception as exc:
-            self.errors.record("forward", exc)
-        self._flush_blocks(alias)
-        self._last_record.clear()
-        self._commit(self._each_records(*S.FORWARD), "forward")
-        self._rows.commit()
-        self.overhead += perf_counter() - t0
+        with self._guard("forward"):
+            self._flush_blocks(self._record_root_output(module, output))
+            self._last_record.clear()
+            self._commit(self._each_records(*S.FORWARD), "forward")
+            self._rows.commit()
         if not torch.is_grad_enabled():
             return
         try:
             self._watch_backward(output)
         except Exception as exc:
             self.errors.record("backward", exc)
+
+    def _record_root_output(self, module: nn.Module, output: Any) -> Tuple[int, ...]:
+        """The root's output, the last block record; the keys that take the last block's
+        record as theirs instead (its output returned unchanged). A failure costs only this
+        record (counted)."""
+        try:
+            if self._at[S.BLOCK] and self._training_forward(module):
+                last = self._blocks.last()
+                if last is not None and output is last[1] and output._version == last[2]:
+                    return (self.blocks + 1,)
+                self._record_forward(S.BLOCK, self.blocks + 1, output)
+        except Exception as exc:
+            self.errors.record("forward", exc)
+        return ()
 
     def _watch_backward(self, output: Any) -> None:
         """The gradient of ``output`` is the first thing a backward through it computes."""
@@ -832,8 +815,7 @@ class Recorder:
     def _after_backward(self) -> None:
         if not self.active:
             return
-        t0 = perf_counter()
-        try:
+        with self._guard("backward", self._step.fail):
             # OUTPUT too: reentrant checkpointing re-runs forwards inside backward
             self._flush_blocks()
             self._last_record.clear()
@@ -850,11 +832,6 @@ class Recorder:
                 self._scale = amp.scale_tensor(self.scaler)
                 self._step.fire(Event.BACKWARD)  # even if measuring fails: the step must still count
                 self._measure_grads()
-        except Exception as exc:
-            self._step.fail()
-            self.errors.record("backward", exc)
-        finally:
-            self.overhead += perf_counter() - t0
 
     def _measure_grads(self) -> None:
         self._params_now = params = self.current_params()
@@ -883,14 +860,9 @@ class Recorder:
         carries the mean. Bad input is counted (stage ``observe``), never raised."""
         if not self.active:
             return
-        t0 = perf_counter()
-        try:
+        with self._guard("observe"):
             self._loss_sum = _add(self._loss_sum, _loss_value(loss))
             self._loss_count += 1
-        except Exception as exc:
-            self.errors.record("observe", exc)
-        finally:
-            self.overhead += perf_counter() - t0
 
     def _step_scalars(self, scale: Optional[torch.Tensor]) -> Tuple[Tuple[str, ...], List[torch.Tensor]]:
         """The step scalars of this step, names and 0-d device tensors, in packet order."""
@@ -924,8 +896,7 @@ class Recorder:
         except Exception as exc:
             self.errors.record("step", exc)
             return
-        t0 = perf_counter()
-        try:
+        with self._guard("step", self._step.fail):
             # No backward accumulated a monitored gradient since the last step (.grad
             # assigned by hand, or the closure's backward is still to come): measure
             # now, after any clipping; a backward inside the closure measures again.
@@ -936,11 +907,6 @@ class Recorder:
                 self._scale = amp.scale_tensor(self.scaler)
                 self._measure_grads()
                 self._unseen = self._unseen or bool(self._batched)
-        except Exception as exc:
-            self._step.fail()
-            self.errors.record("step", exc)
-        finally:
-            self.overhead += perf_counter() - t0
 
     def on_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
@@ -966,14 +932,9 @@ class Recorder:
         every = self.cfg.optimizer_every
         if not every:
             return
-        t0 = perf_counter()
-        try:
+        with self._guard("step"):
             if self._at[S.OPTIMIZER] and self.steps % every == 0:
                 self._read_state(opt)
-        except Exception as exc:
-            self.errors.record("step", exc)
-        finally:
-            self.overhead += perf_counter() - t0
 
     def _read_state(self, opt: torch.optim.Optimizer) -> None:
         if self.sharded or not optimizer.supported(opt):
@@ -1016,15 +977,10 @@ class Recorder:
                 self.publish(GlobalStepUpdate(global_step, skipped=self._step.skipped))
             return
         if not self._step.measured:
-            t0 = perf_counter()
-            try:
+            with self._guard("step"):
                 self._step.fire(Event.AT_STEP)
                 self._measure_grads()
                 self._unseen = self._unseen or bool(self._batched)
-            except Exception as exc:
-                self.errors.record("step", exc)
-            finally:
-                self.overhead += perf_counter() - t0
         if global_step is not None:
             self.step_offset = global_step - (self.steps + 1)
         self.end_step(None, by_optimizer=False)
@@ -1037,49 +993,45 @@ class Recorder:
         if not self._step.skipped_at_update:
             self._step.fire(Event.SCALER_UPDATE)
             return
-        t0 = perf_counter()
-        try:
-            names, scalars = self._step_scalars(amp.scale_tensor(self.scaler))
-            host, event = stats.to_host(stats.pack(scalars, scalars[0].device)) if scalars else (None, None)
-            self.publish(StepPacket(self.steps, self.step_offset + self.steps, time.time(), data=host, event=event,
-                                    skipped=True, scalars=names))
-        except Exception as exc:
-            self.errors.record("step", exc)
-        finally:
-            self._step.fire(Event.SCALER_UPDATE)  # closes the step as skipped
-            self._close_step()
-            self.overhead += perf_counter() - t0
+        with self._guard("step"):
+            try:
+                names, scalars = self._step_scalars(amp.scale_tensor(self.scaler))
+                host, event = stats.to_host(stats.pack(scalars, scalars[0].device)) if scalars else (None, None)
+                self.publish(StepPacket(self.steps, self.step_offset + self.steps, time.time(), data=host,
+                                        event=event, skipped=True, scalars=names))
+            finally:
+                self._step.fire(Event.SCALER_UPDATE)  # closes the step as skipped
+                self._close_step()
 
     def end_step(self, optimizer_step: Optional[int], by_optimizer: bool) -> None:
-        t0 = perf_counter()
-        index = self.steps
-        global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
-        packet = StepPacket(index, global_step, time.time(), measured_at_step=self._step.measured_at_step,
-                            learning_rates=S.host_learning_rates(self._learning_rates), rows=self._rows.take())
-        if self._shard_groups:
-            self._reduce_shards()
-        try:
-            # what a forward or backward that did not complete recorded is not this step's
-            for records in self._records.values():
-                records.drop_pending()
-            packet = self._build_packet(packet)
-        except Exception as exc:
-            self.errors.record("step", exc)
-        try:
-            self.publish(packet)
-        except Exception as exc:  # pragma: no cover - SimpleQueue.put does not fail
-            self.errors.record("step", exc)
-        self._step.fire(Event.OPTIMIZER if by_optimizer else Event.MANUAL)
-        self._close_step()
-        self.steps += 1
-        self.detail_now = self.steps % self.cfg.detail_every == 0
-        # on a detail step a block that is a layer takes its extremes from its activation record
-        self._defer_blocks = self._batch_blocks and not self.detail_now
-        try:
-            self._next_hooks()
-        except Exception as exc:
-            self.errors.record("step", exc)
-        self.overhead += perf_counter() - t0
+        with self._guard("step"):
+            index = self.steps
+            global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
+            packet = StepPacket(index, global_step, time.time(), measured_at_step=self._step.measured_at_step,
+                                learning_rates=S.host_learning_rates(self._learning_rates), rows=self._rows.take())
+            if self._shard_groups:
+                self._reduce_shards()
+            try:
+                # what a forward or backward that did not complete recorded is not this step's
+                for records in self._records.values():
+                    records.drop_pending()
+                packet = self._build_packet(packet)
+            except Exception as exc:
+                self.errors.record("step", exc)
+            try:
+                self.publish(packet)
+            except Exception as exc:  # pragma: no cover - SimpleQueue.put does not fail
+                self.errors.record("step", exc)
+            self._step.fire(Event.OPTIMIZER if by_optimizer else Event.MANUAL)
+            self._close_step()
+            self.steps += 1
+            self.detail_now = self.steps % self.cfg.detail_every == 0
+            # on a detail step a block that is a layer takes its extremes from its activation record
+            self._defer_blocks = self._batch_blocks and not self.detail_now
+            try:
+                self._next_hooks()
+            except Exception as exc:
+                self.errors.record("step", exc)
 
     def _next_hooks(self) -> None:
         """The hooks the next step needs, and only those: per-parameter hooks while a
