@@ -25,7 +25,7 @@ import torch
 import bench_overhead as bench
 
 RECORDER = ("on_param_grad", "on_forward", "on_block", "on_grad_flow", "on_root_forward", "_measure_grads",
-            "on_optimizer_post", "_read_state", "end_step", "_build_packet", "_close_step")
+            "on_optimizer_post", "end_step", "_close_step")
 STATS = ("activation_record", "gradient_record", "moments_record", "moments_block", "param_grad_stats", "extremes")
 
 
@@ -45,7 +45,8 @@ def _timed(owner: object, name: str, totals: Dict[str, float]) -> None:
 def breakdown(options: Dict[str, object], steps: int, discard: int) -> Dict[str, float]:
     """ms per step of each timed function, and ``host``, for gradmon attached with ``options``."""
     import gradmon
-    from gradmon import hooks, optimizer, stats
+    from gradmon.capture import hooks, optimizer, writer
+    from gradmon.capture import kernels as stats
     from prometheus_client import CollectorRegistry
 
     totals: Dict[str, float] = collections.defaultdict(float)
@@ -54,6 +55,7 @@ def breakdown(options: Dict[str, object], steps: int, discard: int) -> Dict[str,
     for name in STATS:
         _timed(stats, name, totals)
     _timed(optimizer, "read", totals)
+    _timed(writer, "write", totals)
     copies = [bench.make_training() for _ in range(3)]
     monitor = gradmon.attach(copies[0][0], registry=CollectorRegistry(), final_scrape_timeout=0, **options)
     try:

@@ -46,16 +46,19 @@ from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import amp, optimizer, sharded
+from . import amp, optimizer, sharded, writer
 from .boundary import Event, StepBoundary
 from .guard import Guards
+from .loss import LossMean
+from .owners import Owners
+from .params import ParamSlots
 from . import kernels as stats
 from .. import statistics as S
 from ..config import Config
 from ..errors import ErrorLog
 from .layers import Layer, is_floating
-from .packet import GlobalStepUpdate, StepPacket
-from ..statistics import Section, Statistic
+from .packet import GlobalStepUpdate, RowBlock, StepPacket
+from ..statistics import Statistic
 
 log = logging.getLogger("gradmon")
 
@@ -123,52 +126,6 @@ def _compiling() -> bool:
     # register_hook breaks the graph. So inside a compiled region they do nothing:
     # dynamo folds this check to True and traces an empty hook.
     return torch.compiler.is_compiling()
-
-
-def _optimizer_step_value(opt: torch.optim.Optimizer) -> Optional[int]:
-    """The optimizer's own step count (Adam & co.), read without a device sync. The first
-    parameter with any state decides: an optimizer keeps the same keys for each (SGD keeps
-    no step, and with no momentum no state at all), so the search is not a loop over every
-    parameter at every step."""
-    if not opt.state:
-        return None
-    for group in opt.param_groups:
-        for p in group["params"]:
-            state = opt.state.get(p)
-            if not state:
-                continue
-            if "step" not in state:
-                return None
-            value = state["step"]
-            if isinstance(value, (int, float)):
-                return int(value)
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                return int(value.tolist())  # tolist reads CPU memory, no dispatch, no sync
-            return None  # capturable/fused state lives on the device: reading it would sync
-    return None
-
-
-def _loss_value(loss: Any) -> torch.Tensor:
-    """A loss as a detached 0-d tensor of the ship dtype, on the loss's own device (a
-    copy: the caller may reuse its tensor in place)."""
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise ValueError(f"gradmon: observe(loss=...) takes a scalar loss, got a tensor of shape "
-                             f"{tuple(loss.shape)}; pass loss.mean() or the loss you call backward() on")
-        return loss.detach().reshape(()).to(stats._ship_dtype(loss.device), copy=True)
-    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-        return torch.tensor(float(loss), dtype=torch.float64)
-    raise TypeError(f"gradmon: observe(loss=...) takes a tensor or a number, got {type(loss).__name__}")
-
-
-def _add(total: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-    if total is None:
-        return value
-    # Losses given as numbers live on the host; add there only while every loss does:
-    # moving a device value to the host would wait for the device.
-    home = total if value.device.type == "cpu" else value
-    return (total.to(home.device, home.dtype, non_blocking=True)
-            + value.to(home.device, home.dtype, non_blocking=True))
 
 
 RAW_BUDGET = 2 ** 22
@@ -356,7 +313,7 @@ class BatchRows:
         # (block key, block, start, size): block[start:start + size] is the [min, max] of each row
         self.pending: List[Tuple[int, torch.Tensor, int, int]] = []
         # this step's completed forwards' (micro-batches), each with its forward's index
-        self.kept: List[Tuple[int, torch.Tensor, int, int, int]] = []
+        self.kept: List[RowBlock] = []
         self.forwards = 0
 
     def start(self, root: nn.Module, args: Any, kwargs: Any) -> None:
@@ -364,11 +321,11 @@ class BatchRows:
         self.size = batch_size(root, args, kwargs)
 
     def commit(self) -> None:
-        self.kept.extend((*entry, self.forwards) for entry in self.pending)
+        self.kept.extend(RowBlock(*entry, self.forwards) for entry in self.pending)
         self.pending = []
         self.forwards += 1
 
-    def take(self) -> Tuple[Tuple[int, torch.Tensor, int, int, int], ...]:
+    def take(self) -> Tuple[RowBlock, ...]:
         kept, self.kept, self.pending, self.forwards = tuple(self.kept), [], [], 0
         return kept
 
@@ -407,9 +364,10 @@ def _empty_shard(p: Optional[torch.Tensor], flat: Optional[torch.Tensor]) -> Opt
 class Recorder:
     """Per-step state of one monitor on the training thread: device tensors and small lists.
 
-    Parameters are held by (module, attribute name), never by reference: a parameter
-    replaced after attach (a new ``nn.Parameter``, ``load_state_dict(assign=True)``) is
-    measured in place of the old one, and the old one can be freed.
+    The hooks' entry points (``on_*``, ``observe_loss``, ``manual_step``); what they keep
+    lives in units of their own: the parameters (``ParamSlots``), the optimizers that step
+    them (``Owners``), the step boundary (``StepBoundary``), the loss (``LossMean``), the
+    packet's writer (``writer.write``), the guard around every hook (``Guards``).
     """
 
     def __init__(self, layers: Sequence[Layer], cfg: Config, errors: ErrorLog,
@@ -425,11 +383,8 @@ class Recorder:
         self._output_has_extremes = any(st.origin == S.LAYER_FINITE.origin for st in self._at[S.OUTPUT])
         self.errors = errors
         self.publish = publish
-        self._slots: List[Tuple[weakref.ref, str]] = []
-        for layer in layers:
-            names = {id(p): n for n, p in layer.module._parameters.items() if p is not None}
-            self._slots += [(weakref.ref(layer.module), names[id(p)]) for p in layer.params]
-        self.param_layer: Tuple[int, ...] = tuple(layer.index for layer in layers for _ in layer.params)
+        self._params = ParamSlots(layers)
+        self.param_layer = self._params.param_layer
         params = self.current_params()
         self._shard_groups = sharded.plan(params, flat_units)
         self.sharded = bool(self._shard_groups)
@@ -438,15 +393,12 @@ class Recorder:
         flat_of = {id(p): unit.flat_param for unit in flat_units for p in unit.params}
         self._flat_of: Dict[int, weakref.ref] = {i: weakref.ref(flat_of[id(p)]) for i, p in enumerate(params)
                                                  if p is not None and id(p) in flat_of}
-        self._param_hooks: List[Any] = []
-        self._known: List[Optional[weakref.ref]] = []  # the parameters as last seen
         # Per-parameter hooks find the end of a backward that passed through no output
         # gradmon saw (a forward of a deeper submodule), and record LOCAL_GRAD. They cost a
         # Python call per parameter per backward, so once a step shows every backward
         # passing through the root's output (or a top-level block's, called alone) they
         # are removed; a step whose gradients came from a backward gradmon did not see
-        # (measured at the optimizer step) brings them back for good.
-        self._per_param = True
+        # (measured at the optimizer step) brings them back for good (self._params.hooked).
         self._unseen = False  # a step had gradients from a backward gradmon did not see
         self._step_seen = False  # this step's gradients were measured at the end of a seen backward
         self._seen_task = -2  # graph task that passed through an output gradmon watches
@@ -461,11 +413,10 @@ class Recorder:
         self._params_now: Optional[List[Optional[torch.Tensor]]] = None  # as this step's measure saw them
         self.scaler = cfg.scaler
         self._scale: Optional[torch.Tensor] = None  # loss scale during this step's backward
-        self._loss_sum: Optional[torch.Tensor] = None  # observe(loss=...) since the last step, on the device
-        self._loss_count = 0
+        self._loss = LossMean()  # observe(loss=...) since the last step, on the device
         self._step = StepBoundary()
-        self._owned: Dict[int, Tuple[Any, bool]] = {}  # id(optimizer) -> (weakref, mine)
-        self._primary: Optional[Any] = None
+        self._owners = Owners(self.current_params)
+        self._reads = optimizer.Reads(cfg.optimizer_sample)
         self.active = True
         self._guard = Guards(errors)
         self.steps = 0
@@ -475,7 +426,6 @@ class Recorder:
         # PARAM_GRAD and OPTIMIZER statistics of this step: name -> (rows, parameter and numel of each row)
         self._batched: Dict[str, Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]] = {}
         self._learning_rates: Tuple[Any, ...] = ()  # this step's, per param group: floats or tensors
-        self._unread: set = set()  # optimizers whose state could not be read, already logged
         self._unmeasured: set = set()  # kinds of output tensor skipped, already logged
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._accumulated = False  # autograd accumulated a monitored gradient in this backward
@@ -509,17 +459,15 @@ class Recorder:
 
     def current_params(self) -> List[Optional[torch.Tensor]]:
         """The monitored parameters as the modules hold them now (None: gone)."""
-        return [p if (p := (m._parameters.get(name) if (m := ref()) is not None else None)) is not None
-                and p.requires_grad else None for ref, name in self._slots]
+        return self._params.current()
 
     def release(self) -> None:
         """Drop every reference to the model so it can be garbage-collected after detach."""
         self.active = False
-        self._remove_param_hooks()
+        self._params.release()
         self._batched = {}
         self._scratch = None
         self._params_now = None
-        self._known = []
         self._blocks = BlockChecks()
         self._rows = BatchRows()
         self._reset_records()
@@ -530,30 +478,11 @@ class Recorder:
         """Notice parameters replaced since last time (``params``: as the modules hold them
         now, if the caller has them) and keep the post-accumulate-grad hooks on the current
         ones while they are wanted; True if any parameter changed."""
-        params = self.current_params() if params is None else params
-        changed = not (len(self._known) == len(params) and all(
-            (r is None and p is None) or (r is not None and r() is p) for r, p in zip(self._known, params)))
-        if changed and self._known:
-            log.warning("gradmon: monitored parameters were replaced after attach (new nn.Parameter or "
-                        "load_state_dict(assign=True)); measuring the new ones")
-            self._owned.clear()
-            self._primary = None
+        changed = self._params.sync(self.current_params() if params is None else params, self.on_param_grad)
+        if changed:  # replaced parameters: every optimizer and the probe are asked again
+            self._owners.forget()
             self._probe = None
-        if changed:
-            self._remove_param_hooks()
-        if changed:
-            self._known = [weakref.ref(p) if p is not None else None for p in params]
-        if self._per_param and not self._param_hooks:
-            self._param_hooks = [p.register_post_accumulate_grad_hook(partial(self.on_param_grad, i))
-                                 for i, p in enumerate(params) if p is not None]
-        elif not self._per_param and self._param_hooks:
-            self._remove_param_hooks()
         return changed
-
-    def _remove_param_hooks(self) -> None:
-        handles, self._param_hooks = self._param_hooks, []
-        for h in handles:
-            h.remove()
 
     def on_param_grad(self, param: int, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: autograd accumulated this gradient in this backward.
@@ -861,37 +790,21 @@ class Recorder:
         if not self.active:
             return
         with self._guard("observe"):
-            self._loss_sum = _add(self._loss_sum, _loss_value(loss))
-            self._loss_count += 1
+            self._loss.add(loss)
 
-    def _step_scalars(self, scale: Optional[torch.Tensor]) -> Tuple[Tuple[str, ...], List[torch.Tensor]]:
-        """The step scalars of this step, names and 0-d device tensors, in packet order."""
-        named = ((S.SCALAR_AMP_SCALE, scale), (S.SCALAR_AMP_FOUND_INF, self._found_inf),
-                 (S.SCALAR_LOSS, self._loss_sum / self._loss_count if self._loss_sum is not None else None),
-                 *((S.learning_rate_scalar(group), lr.detach().reshape(()))
-                   for group, lr in enumerate(self._learning_rates) if isinstance(lr, torch.Tensor)))
-        present = [(name, t) for name, t in named if t is not None]
-        return tuple(name for name, _ in present), [t for _, t in present]
+    def _step_scalars(self, scale: Optional[torch.Tensor]) -> List[Tuple[str, Optional[torch.Tensor]]]:
+        """The step scalars of this step, names and 0-d device tensors (None: absent), in packet order."""
+        return [(S.SCALAR_AMP_SCALE, scale), (S.SCALAR_AMP_FOUND_INF, self._found_inf),
+                (S.SCALAR_LOSS, self._loss.mean()),
+                *((S.learning_rate_scalar(group), lr.detach().reshape(()))
+                  for group, lr in enumerate(self._learning_rates) if isinstance(lr, torch.Tensor))]
 
     # -- step boundary -------------------------------------------------------------
-
-    def owns(self, opt: torch.optim.Optimizer) -> bool:
-        """Whether ``opt`` steps monitored parameters. Keyed by id with a weak reference,
-        never by hash: an optimizer class may define ``__eq__`` and be unhashable."""
-        known = self._owned.get(id(opt))
-        if known is not None and known[0]() is opt:
-            return known[1]
-        ids = {id(p) for p in self.current_params() if p is not None}
-        mine = any(id(p) in ids for g in opt.param_groups for p in g["params"])
-        self._owned[id(opt)] = (weakref.ref(opt), mine)
-        if mine and (self._primary is None or self._primary() is None):
-            self._primary = weakref.ref(opt)
-        return mine
 
     def on_optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # A global hook: it runs for every optimizer in the process, so nothing may escape.
         try:
-            if not self.active or not self.owns(opt):
+            if not self.active or not self._owners.owns(opt):
                 return
         except Exception as exc:
             self.errors.record("step", exc)
@@ -902,7 +815,7 @@ class Recorder:
             # now, after any clipping; a backward inside the closure measures again.
             # Only for the first optimizer, so that a second optimizer over the same
             # model does not count the step twice.
-            if not self._step.measured and self._primary is not None and self._primary() is opt:
+            if not self._step.measured and self._owners.primary(opt):
                 self._step.fire(Event.AT_STEP)
                 self._scale = amp.scale_tensor(self.scaler)
                 self._measure_grads()
@@ -910,9 +823,9 @@ class Recorder:
 
     def on_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
-            if not self.active or not self.owns(opt) or not self._step.measured:
+            if not self.active or not self._owners.owns(opt) or not self._step.measured:
                 return
-            gs = _optimizer_step_value(opt)
+            gs = optimizer.step_count(opt)
             # every step, whatever optimizer_every says: floats are free, tensors are packed
             self._learning_rates = tuple(group.get("lr") for group in opt.param_groups)
             # A fused optimizer is stepped even on overflow, with the scaler's flag, and applies
@@ -934,36 +847,7 @@ class Recorder:
             return
         with self._guard("step"):
             if self._at[S.OPTIMIZER] and self.steps % every == 0:
-                self._read_state(opt)
-
-    def _read_state(self, opt: torch.optim.Optimizer) -> None:
-        if self.sharded or not optimizer.supported(opt):
-            self._say_unread_once(opt)
-            return
-        present: List[int] = []
-        params: List[torch.Tensor] = []
-        for i, p in enumerate(self.current_params()):
-            if p is not None and p.grad is not None:
-                present.append(i)
-                params.append(p)
-        if not params:
-            return
-        reading = optimizer.read(opt, params, params[0].grad.device, self.cfg.optimizer_sample)
-        for st in self._at[S.OPTIMIZER]:
-            out = st.record(reading)
-            if out is not None:
-                rows, order = out
-                self._batched[st.name] = (rows, tuple(present[j] for j in order),
-                                          tuple(params[j].numel() for j in order))
-
-    def _say_unread_once(self, opt: torch.optim.Optimizer) -> None:
-        what = type(opt).__name__ + (" under FSDP" if self.sharded else "")
-        if what in self._unread:
-            return
-        self._unread.add(what)
-        log.warning("gradmon: cannot read the update of %s (gradmon reads torch.optim.SGD, Adam and AdamW, not "
-                    "under FSDP); its layers are counted in gradmon_uncovered_layers{family=\"optimizer\"} and have "
-                    "no gradmon_update_to_weight_ratio or gradmon_adam_rms", what)
+                self._batched.update(self._reads.rows(opt, self.current_params(), self.sharded, self._at[S.OPTIMIZER]))
 
     def manual_step(self, global_step: Optional[int]) -> None:
         if not self.active:
@@ -995,10 +879,9 @@ class Recorder:
             return
         with self._guard("step"):
             try:
-                names, scalars = self._step_scalars(amp.scale_tensor(self.scaler))
-                host, event = stats.to_host(stats.pack(scalars, scalars[0].device)) if scalars else (None, None)
-                self.publish(StepPacket(self.steps, self.step_offset + self.steps, time.time(), data=host,
-                                        event=event, skipped=True, scalars=names))
+                packet = StepPacket(self.steps, self.step_offset + self.steps, time.time(), skipped=True)
+                self.publish(writer.write(packet, (), {}, {}, None, self._step_scalars(amp.scale_tensor(self.scaler)),
+                                          self.errors))
             finally:
                 self._step.fire(Event.SCALER_UPDATE)  # closes the step as skipped
                 self._close_step()
@@ -1015,7 +898,9 @@ class Recorder:
                 # what a forward or backward that did not complete recorded is not this step's
                 for records in self._records.values():
                     records.drop_pending()
-                packet = self._build_packet(packet)
+                packet = writer.write(packet, self.statistics, self._records, self._batched, self._scale,
+                                      self._step_scalars(self._scale), self.errors,
+                                      sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
             except Exception as exc:
                 self.errors.record("step", exc)
             try:
@@ -1038,8 +923,8 @@ class Recorder:
         backward gradmon did not see may come (or LOCAL_GRAD reads them), the layers'
         forward hooks on the steps that read them. Under torch.compile hooks stay as they
         are (adding or removing one would recompile the model)."""
-        self._per_param = (self._unseen or bool(self._at[S.LOCAL_GRAD]) or self._compiled
-                           or (self._per_param and not self._step_seen))
+        self._params.hooked = (self._unseen or bool(self._at[S.LOCAL_GRAD]) or self._compiled
+                               or (self._params.hooked and not self._step_seen))
         self._step_seen = False
         # parameters replaced since the last step are measured from now on
         self.hook_params(self._params_now)
@@ -1053,8 +938,7 @@ class Recorder:
         self._learning_rates = ()
         self._scale = None
         self._accumulated = False
-        self._loss_sum = None
-        self._loss_count = 0
+        self._loss.reset()
         self._blocks.drop()
         self._rows.take()
         self._reset_records()
@@ -1070,85 +954,6 @@ class Recorder:
                     self._batched[st.name] = (rows, order, numels)
             except Exception as exc:
                 self.errors.record("step", exc)
-
-    def _build_packet(self, packet: StepPacket) -> StepPacket:
-        """Every statistic's committed records, section by section in table order, each
-        part an (n, width) block, then the step scalars: the layout ``statistics.read``
-        and ``statistics.read_scalars`` read."""
-        parts: List[torch.Tensor] = []
-        sections: List[Section] = []
-        home: Optional[torch.device] = None
-        # A GradScaler's loss scale is divided out on the device, column by column.
-        inv = self._scale.double().reciprocal().reshape(()) if self._scale is not None else None
-        for st in self.statistics:
-            try:
-                made = self._section(st, home, inv)
-            except Exception as exc:  # this statistic misses the step; the others are in the packet
-                self.errors.record("step", exc)
-                continue
-            if made is not None:
-                section, blocks, home = made
-                parts.extend(blocks)
-                sections.append(section)
-        names, scalars = self._step_scalars(self._scale)
-        if scalars:
-            home = home or scalars[0].device
-            parts.extend(scalars)
-        if home is None:
-            return packet
-        data, event = stats.to_host(stats.pack(parts, home))
-        return dataclasses.replace(
-            packet, data=data, event=event, sections=tuple(sections), scalars=names,
-            sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
-
-
-    def _section(self, st: Statistic, home: Optional[torch.device], inv: Optional[torch.Tensor]
-                 ) -> Optional[Tuple[Section, List[torch.Tensor], torch.device]]:
-        """``st``'s part of the packet: its section, its (n, width) blocks already in the
-        packet's device and dtype (so that packing cannot fail on them), and the packet's
-        device. When records cannot be stacked, those that are not plain tensors are dropped
-        (counted), and the others kept."""
-        if st.at in S.BATCHED:
-            if st.name not in self._batched:
-                return None
-            rows, keys, numels = self._batched[st.name]
-            blocks = [rows]
-        else:
-            records = self._records[st.name]
-            committed = records.committed()
-            if not committed and not records.rows:
-                return None
-            home = home or (committed[0][2][0] if committed else records.rows[0][2][0]).device
-            try:
-                blocks = _stack_parts(st, committed, home) if committed else []
-            except Exception as exc:  # a tensor subclass's records: the plain ones go on
-                self.errors.record("step", exc)
-                committed = [rec for rec in committed if all(type(part) is torch.Tensor for part in rec[2])]
-                blocks = _stack_parts(st, committed, home) if committed else []
-            keys = tuple(key for key, _, _ in committed)
-            numels = tuple(numel for _, numel, _ in committed)
-            if records.rows:
-                keys += tuple(key for rows in records.rows for key in rows[0])
-                numels += tuple(numel for rows in records.rows for numel in rows[1])
-                blocks = [torch.cat([b.reshape(len(b), -1).to(home) for b in ([blocks[j]] if blocks else [])
-                                     + [rows[2][j] for rows in records.rows]])
-                          for j in range(len(st.parts))]
-            if not keys:
-                return None
-        home = home or blocks[0].device
-        ship = stats._ship_dtype(home)
-        out = []
-        for part, block in zip(st.parts, blocks):
-            powers = [c.scale_power for c in part]
-            if inv is not None and any(powers):
-                block = block.double() * torch.stack([inv.to(block.device) ** p for p in powers])
-            out.append(block.to(device=home, dtype=ship, non_blocking=True))
-        return Section(st, keys, numels), out, home
-
-
-def _stack_parts(st: Statistic, records: Sequence[Tuple[int, int, Sequence[torch.Tensor]]],
-                 home: torch.device) -> List[torch.Tensor]:
-    return [stats.stack_records([rec[2][j] for rec in records], home) for j in range(len(st.parts))]
 
 
 class LayerHooks:

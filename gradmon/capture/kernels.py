@@ -477,7 +477,7 @@ def stack_records(records: Sequence[torch.Tensor], home: torch.device) -> torch.
     return torch.stack(list(records))
 
 
-def to_host(packet: torch.Tensor) -> Tuple[torch.Tensor, Optional[object]]:
+def to_host(packet: torch.Tensor) -> Tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
     """Start the packet's transfer to host memory; return (host tensor, event or None).
 
     The caller must not read the host tensor before ``event.synchronize()``. CPU packets

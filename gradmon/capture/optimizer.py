@@ -23,12 +23,15 @@ large parameters are cut into pieces so that a batch's temporaries stay within
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import kernels as stats
+
+log = logging.getLogger("gradmon")
 
 CHUNK_BYTES = 64 * 2 ** 20
 """Most bytes of float32 temporaries alive at once while reading one batch."""
@@ -122,6 +125,74 @@ def read(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], home: torch
     up to its size."""
     with torch.no_grad():  # views of parameters must not build autograd nodes
         return _read(opt, params, home, sample)
+
+
+Batched = Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]
+"""A statistic's (n, width) rows, with the parameter and the numel of each row (``writer.Batched``)."""
+
+
+class Reads:
+    """What the optimizer did, read after the step for each statistic recorded at the
+    optimizer (``statistics.OPTIMIZER``); says once per kind of optimizer that it cannot."""
+
+    def __init__(self, sample: int) -> None:
+        self.sample = sample
+        self._unread: set = set()  # kinds of optimizer already said to be unreadable
+
+    def rows(self, opt: torch.optim.Optimizer, params: Sequence[Optional[torch.Tensor]], sharded: bool,
+             statistics: Sequence[Any]) -> Dict[str, Batched]:
+        """Each statistic's rows, by name, for the ``params`` (None: gone) that have a gradient."""
+        if sharded or not supported(opt):
+            self._say_unread_once(opt, sharded)
+            return {}
+        present: List[int] = []
+        stepped: List[torch.Tensor] = []
+        for i, p in enumerate(params):
+            if p is not None and p.grad is not None:
+                present.append(i)
+                stepped.append(p)
+        if not stepped:
+            return {}
+        reading = read(opt, stepped, stepped[0].grad.device, self.sample)
+        out: Dict[str, Batched] = {}
+        for st in statistics:
+            made = st.record(reading)
+            if made is not None:
+                rows, order = made
+                out[st.name] = (rows, tuple(present[j] for j in order), tuple(stepped[j].numel() for j in order))
+        return out
+
+    def _say_unread_once(self, opt: torch.optim.Optimizer, sharded: bool) -> None:
+        what = type(opt).__name__ + (" under FSDP" if sharded else "")
+        if what in self._unread:
+            return
+        self._unread.add(what)
+        log.warning("gradmon: cannot read the update of %s (gradmon reads torch.optim.SGD, Adam and AdamW, not "
+                    "under FSDP); its layers are counted in gradmon_uncovered_layers{family=\"optimizer\"} and have "
+                    "no gradmon_update_to_weight_ratio or gradmon_adam_rms", what)
+
+
+def step_count(opt: torch.optim.Optimizer) -> Optional[int]:
+    """The optimizer's own step count (Adam & co.), read without a device sync. The first
+    parameter with any state decides: an optimizer keeps the same keys for each (SGD keeps
+    no step, and with no momentum no state at all), so the search is not a loop over every
+    parameter at every step."""
+    if not opt.state:
+        return None
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state:
+                continue
+            if "step" not in state:
+                return None
+            value = state["step"]
+            if isinstance(value, (int, float)):
+                return int(value)
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                return int(value.tolist())  # tolist reads CPU memory, no dispatch, no sync
+            return None  # capturable/fused state lives on the device: reading it would sync
+    return None
 
 
 def _read(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], home: torch.device, sample: int) -> Reading:

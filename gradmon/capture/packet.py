@@ -7,9 +7,25 @@ lives apart from both so that neither side imports the other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
+
+import torch
 
 from ..statistics import Section
+
+
+class RowBlock(NamedTuple):
+    """Which batch rows of one tensor of a top-level block's value went non-finite in one
+    forward: ``block[start:start + batch]`` is the [min, max] of each batch row. A device
+    tensor, read on the host only at an incident (``incidents``)."""
+
+    key: int
+    """The block's record key (0: the model's input)."""
+    block: torch.Tensor
+    start: int
+    batch: int
+    forward: int
+    """Which forward (micro-batch) of the step, from 0."""
 
 
 @dataclass(frozen=True)
@@ -21,8 +37,10 @@ class StepPacket:
     index: int
     global_step: int
     time: float
-    data: object = None  # a host tensor, valid once ``event`` has completed
-    event: object = None
+    data: Optional[torch.Tensor] = None
+    """Host memory, valid once ``event`` has completed."""
+    event: Optional[torch.cuda.Event] = None
+    """The device-to-host copy's completion, where the device has events (``kernels.to_host``)."""
     sections: Tuple[Section, ...] = ()
     scalars: Tuple[str, ...] = ()  # the step scalars after the sections (statistics.SCALAR_*)
     skipped: bool = False  # an overflow step the GradScaler skipped: data holds only the step scalars
@@ -31,11 +49,7 @@ class StepPacket:
     measured_at_step: bool = False  # gradients measured at the optimizer step, not at the end of backward
     learning_rates: Tuple[Optional[float], ...] = ()
     """Per param group; None: a tensor, packed as the step scalar ``lr/<group>``."""
-    rows: Tuple[Tuple[int, object, int, int, int], ...] = ()
-    """(block key, block, start, batch, forward): ``block[start:start + batch]`` is the
-    [min, max] of each batch row of one tensor of that block's value in the step's
-    ``forward``-th forward (micro-batch); device tensors, read on the host only at an
-    incident (``incidents``)."""
+    rows: Tuple[RowBlock, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,167 @@
+"""The training thread's small units on their own, without a Recorder around them: the
+parameter slots, the optimizers that own them, the loss mean, the optimizer reads."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from gradmon import statistics as S
+from gradmon.capture import optimizer
+from gradmon.capture.layers import Layer
+from gradmon.capture.loss import LossMean
+from gradmon.capture.owners import Owners
+from gradmon.capture.params import ParamSlots
+
+
+def slots_of(model: nn.Module) -> ParamSlots:
+    return ParamSlots([Layer(i, name, m, tuple(m.parameters(recurse=False)))
+                       for i, (name, m) in enumerate(model.named_modules()) if list(m.parameters(recurse=False))])
+
+
+# -- ParamSlots ---------------------------------------------------------------------------------
+
+def test_a_replaced_parameter_is_read_in_place_of_the_old_one():
+    lin = nn.Linear(2, 2)
+    slots = slots_of(lin)
+    slots.sync(slots.current(), lambda i, p: None)
+    lin.weight = nn.Parameter(torch.zeros(2, 2))
+    assert slots.current()[0] is lin.weight and slots.sync(slots.current(), lambda i, p: None)
+
+
+def test_a_frozen_parameter_reads_as_none():
+    lin = nn.Linear(2, 2)
+    slots = slots_of(lin)
+    lin.bias.requires_grad_(False)
+    assert slots.current() == [lin.weight, None]
+
+
+def test_each_parameter_is_hooked_once_while_hooked_and_not_after():
+    lin = nn.Linear(2, 2)
+    slots, seen = slots_of(lin), []
+    slots.sync(slots.current(), lambda i, p: seen.append(i))
+    slots.sync(slots.current(), lambda i, p: seen.append(i))  # unchanged: not hooked twice
+    lin(torch.ones(1, 2)).sum().backward()
+    slots.hooked = False
+    slots.sync(slots.current(), lambda i, p: seen.append(i))
+    lin(torch.ones(1, 2)).sum().backward()
+    assert sorted(seen) == [0, 1]
+
+
+def test_the_slots_keep_no_model_alive():
+    lin = nn.Linear(2, 2)
+    slots, gone = slots_of(lin), weakref.ref(lin)
+    slots.sync(slots.current(), lambda i, p: None)
+    slots.release()
+    del lin
+    gc.collect()
+    assert gone() is None and slots.current() == [None, None]
+
+
+# -- Owners -------------------------------------------------------------------------------------
+
+def test_an_optimizer_over_other_parameters_is_no_owner():
+    mine, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    owners = Owners(lambda: list(mine.parameters()))
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    assert not owners.owns(opt) and not owners.primary(opt)
+
+
+def test_the_first_owning_optimizer_measures_and_a_second_does_not():
+    model = nn.Linear(2, 2)
+    owners = Owners(lambda: list(model.parameters()))
+    first, second = (torch.optim.SGD([p], lr=0.1) for p in model.parameters())
+    assert owners.owns(first) and owners.owns(second)
+    assert owners.primary(first) and not owners.primary(second)
+
+
+def test_an_unhashable_optimizer_is_owned():
+    class Unhashable(torch.optim.SGD):
+        def __eq__(self, other):
+            return self is other
+        __hash__ = None
+
+    model = nn.Linear(2, 2)
+    opt = Unhashable(model.parameters(), lr=0.1)
+    assert Owners(lambda: list(model.parameters())).owns(opt)
+
+
+def test_after_forget_the_optimizer_over_the_new_parameters_is_asked_again():
+    model = nn.Linear(2, 2)
+    owners = Owners(lambda: list(model.parameters()))
+    old = torch.optim.SGD(model.parameters(), lr=0.1)
+    owners.owns(old)
+    model.weight, model.bias = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
+    new = torch.optim.SGD(model.parameters(), lr=0.1)
+    owners.forget()
+    assert not owners.owns(old) and owners.owns(new) and owners.primary(new)
+
+
+# -- LossMean -----------------------------------------------------------------------------------
+
+def test_the_mean_of_the_losses_since_the_last_reset():
+    loss = LossMean()
+    for x in (1.0, 2.0, torch.tensor(6.0)):
+        loss.add(x)
+    assert loss.mean().item() == 3.0
+    loss.reset()
+    assert loss.mean() is None
+
+
+def test_a_loss_tensor_reused_in_place_keeps_the_value_it_had():
+    loss, t = LossMean(), torch.tensor(2.0)
+    loss.add(t)
+    t.fill_(100.0)
+    assert loss.mean().item() == 2.0
+
+
+def test_losses_given_as_numbers_stay_on_the_host_in_float64():
+    loss = LossMean()
+    loss.add(0.1)
+    loss.add(3)
+    assert loss.mean().device.type == "cpu" and loss.mean().dtype == torch.float64
+
+
+@pytest.mark.parametrize("bad, error, says", [(torch.ones(3), ValueError, "scalar loss"),
+                                              (True, TypeError, "tensor or a number"),
+                                              ("0.5", TypeError, "tensor or a number")])
+def test_a_loss_that_is_no_scalar_is_refused_naming_observe(bad, error, says):
+    with pytest.raises(error, match=f"observe\\(loss=...\\).*{says}"):
+        LossMean().add(bad)
+
+
+# -- optimizer reads ----------------------------------------------------------------------------
+
+def test_the_step_count_is_read_from_the_optimizers_state_without_a_device_value():
+    model = nn.Linear(2, 2)
+    adam, sgd = torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)
+    assert optimizer.step_count(adam) is None
+    model(torch.ones(1, 2)).sum().backward()
+    adam.step()
+    sgd.step()
+    assert optimizer.step_count(adam) == 1 and optimizer.step_count(sgd) is None
+
+
+def test_an_optimizer_gradmon_cannot_read_is_said_once_and_reads_nothing(caplog):
+    model = nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    reads, opt = optimizer.Reads(0), torch.optim.Adagrad(model.parameters())
+    with caplog.at_level(logging.WARNING, logger="gradmon"):
+        assert reads.rows(opt, list(model.parameters()), False, S.STATISTICS) == {}
+        assert reads.rows(opt, list(model.parameters()), False, S.STATISTICS) == {}
+    assert caplog.text.count("cannot read the update of Adagrad") == 1
+
+
+def test_the_update_of_each_parameter_with_a_gradient_is_read_by_its_slot():
+    model = nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.step()
+    wanted = [st for st in S.STATISTICS if st.at == S.OPTIMIZER]
+    rows = optimizer.Reads(0).rows(opt, [None, model.bias], False, wanted)
+    assert rows and all(keys == (1,) and numels == (2,) for _, keys, numels in rows.values())
