@@ -88,7 +88,7 @@ class Recurrent(nn.Module):
 def test_a_layer_called_many_times_holds_a_bounded_sample_and_keeps_its_exact_kurtosis(attach, monkeypatch):
     """Raw samples are combined into rows as soon as RAW_BUDGET elements wait, not kept
     until the forward returns; the rows fold as exactly as the samples would have."""
-    from gradmon.capture import hooks
+    from gradmon.capture import records as hooks
     monkeypatch.setattr(hooks, "RAW_BUDGET", 3 * 64 * 8)  # three calls' outputs
     waiting: List[int] = []
     add = hooks._Records.add
@@ -217,7 +217,7 @@ def test_the_recorder_keeps_scratch_memory_only_where_detail_steps_come_often(at
     for _ in range(2):
         step(model, x)
         mon.flush()
-        scratch = mon._recorder._scratch
+        scratch = mon._recorder._rec._scratch
         held.append(None if scratch is None else {k: t.data_ptr() for k, t in scratch._held.items()})
     if kept:
         assert held[0] and held[0] == held[1]  # the second detail step wrote where the first did

@@ -17,6 +17,7 @@ from gradmon.capture.layers import Layer
 from gradmon.capture.loss import LossMean
 from gradmon.capture.owners import Owners
 from gradmon.capture.params import ParamSlots
+from gradmon.errors import ErrorLog
 
 
 def slots_of(model: nn.Module) -> ParamSlots:
@@ -165,3 +166,115 @@ def test_the_update_of_each_parameter_with_a_gradient_is_read_by_its_slot():
     wanted = [st for st in S.STATISTICS if st.at == S.OPTIMIZER]
     rows = optimizer.Reads(0).rows(opt, [None, model.bias], False, wanted)
     assert rows and all(keys == (1,) and numels == (2,) for _, keys, numels in rows.values())
+
+
+# -- StepRecords --------------------------------------------------------------------------------
+
+def step_records(*statistics, errors=None):
+    from gradmon.capture.records import StepRecords
+    return StepRecords(statistics, ["first", "second"], errors or ErrorLog("m"), keep_scratch=False)
+
+
+def committed_keys(rec, name):
+    return [key for key, _, _ in rec.by_name[name].committed()]
+
+
+def test_records_commit_only_when_their_pass_completed():
+    rec = step_records(S.ACTIVATION)
+    rec.record_values(S.OUTPUT, 0, torch.ones(2, 2))
+    rec.drop_pending(S.OUTPUT)  # the forward raised
+    rec.record_values(S.OUTPUT, 1, torch.ones(2, 2))
+    rec.commit(rec.each(*S.FORWARD), "forward")
+    assert committed_keys(rec, "activation") == [1]
+
+
+def test_a_tensor_recorded_again_unchanged_is_measured_once(monkeypatch):
+    from gradmon.capture import kernels
+    calls, real = [], kernels.activation_record
+    monkeypatch.setattr(kernels, "activation_record", lambda t, *a: calls.append(1) or real(t, *a))
+    rec, t = step_records(S.ACTIVATION), torch.ones(2, 2)
+    rec.record_values(S.OUTPUT, 0, t)
+    rec.record_values(S.OUTPUT, 1, t)
+    t.add_(1)  # changed in place: measured again
+    rec.record_values(S.OUTPUT, 1, t)
+    rec.commit(rec.each(S.OUTPUT), "forward")
+    assert len(calls) == 2 and committed_keys(rec, "activation") == [0, 1, 1]
+
+
+def test_a_statistic_that_fails_on_a_tensor_misses_that_record_alone(monkeypatch):
+    from gradmon.capture import kernels
+    monkeypatch.setattr(kernels, "activation_record", lambda *a: 1 / 0)
+    errors = ErrorLog("m")
+    rec = step_records(S.ACTIVATION, S.LAYER_FINITE, errors=errors)
+    rec.record_values(S.OUTPUT, 0, torch.ones(2))
+    rec.record_values(S.LAYER, 0, torch.ones(2))
+    rec.commit(rec.each(*S.FORWARD), "forward")
+    assert committed_keys(rec, "activation") == [] and committed_keys(rec, "layer_finite") == [0]
+    assert errors.counts()["forward"] == 1
+
+
+def test_a_tensor_without_values_is_skipped_and_said_once_per_kind(caplog):
+    rec = step_records(S.ACTIVATION)
+    with caplog.at_level(logging.WARNING, logger="gradmon"):
+        for key in (0, 1):
+            rec.record_values(S.OUTPUT, key, torch.ones(2, device="meta"))
+    rec.commit(rec.each(S.OUTPUT), "forward")
+    assert committed_keys(rec, "activation") == [] and caplog.text.count("is a meta tensor") == 1
+    assert "layer 'first'" in caplog.text
+
+
+def test_gradient_flow_is_hooked_on_each_output_that_requires_grad():
+    rec, seen = step_records(S.ACTIVATION), []
+    x = torch.ones(2, requires_grad=True)
+    out = (x * 2, torch.ones(2))
+    rec.record_values(S.OUTPUT, 1, out, lambda key, grad: seen.append(key))
+    out[0].sum().backward()
+    assert seen == [1]
+
+
+# -- BackwardPasses -----------------------------------------------------------------------------
+
+def passes_over(model: nn.Module):
+    from gradmon.capture.passes import BackwardPasses
+    return BackwardPasses(lambda: list(model.parameters()))
+
+
+def test_each_backward_pass_has_one_first_hook():
+    model = nn.Linear(2, 2)
+    passes, firsts = passes_over(model), []
+    for _ in range(2):
+        out = model(torch.ones(1, 2))
+        twice = out * 2
+        for t in (out, twice):
+            t.register_hook(lambda g: firsts.append(passes.first_hook()))
+        (out + twice).sum().backward()
+    assert firsts == [True, False, True, False]
+
+
+def test_a_backward_into_the_parameters_accumulates_and_autograd_grad_does_not():
+    model = nn.Linear(2, 2)
+    passes, x = passes_over(model), torch.ones(1, 2, requires_grad=True)
+    out = model(x)
+    out.register_hook(lambda g: passes.through_watched_output())
+    torch.autograd.grad(out.sum(), x)
+    grad_only = passes.accumulated
+    out = model(x)
+    out.register_hook(lambda g: passes.through_watched_output())
+    out.sum().backward(inputs=[x])
+    other_inputs = passes.accumulated
+    out = model(x)
+    out.register_hook(lambda g: passes.through_watched_output())
+    out.sum().backward()
+    assert (grad_only, other_inputs, passes.accumulated) == (False, False, True)
+
+
+def test_a_pass_is_seen_only_while_it_runs_through_a_watched_output():
+    model = nn.Linear(2, 2)
+    passes, during = passes_over(model), []
+    out = model(torch.ones(1, 2))
+    def hook(grad):
+        passes.through_watched_output()
+        during.append(passes.seen())
+    out.register_hook(hook)
+    out.sum().backward()
+    assert during == [True] and not passes.seen()

@@ -265,7 +265,7 @@ def test_the_block_check_by_batch_rows_gives_each_outputs_extremes_and_its_rows_
      (torch.nn.utils.rnn.pack_padded_sequence(torch.zeros(6, 5, 4), [5] * 6, batch_first=True),), None),
 ])
 def test_the_batch_is_the_root_inputs_first_dimension_unless_sequence_first_or_packed(root, inputs, size):
-    from gradmon.capture.hooks import batch_size
+    from gradmon.capture.records import batch_size
     assert batch_size(root, inputs, {}) == size
 
 

@@ -233,7 +233,7 @@ def test_eval_and_no_grad_forwards_are_not_measured(attach):
     with torch.no_grad():
         model.train()
         model(torch.randn(2, 4))
-    assert mon._recorder._records["activation"].keys() == []
+    assert mon._recorder._rec.by_name["activation"].keys() == []
 
 
 def test_no_activation_or_gradient_tensor_outlives_its_step(attach):

@@ -42,7 +42,7 @@ def test_activation_checkpointing_measures_each_forward_once(attach, reentrant):
     mon = attach(model, detail_every=1)
     x = torch.randn(4, 6, requires_grad=True)  # reentrant checkpointing needs an input that requires grad
     model(x).sum().backward()
-    calls = mon._recorder._records["activation"].keys()
+    calls = mon._recorder._rec.by_name["activation"].keys()
     opt.step()
     mon.flush()
     s = scrape(mon.url)

@@ -297,7 +297,7 @@ def test_detail_families_are_sampled_every_n_steps_and_counters_every_step(attac
 
     for i in range(6):
         model(torch.randn(2, 6)).sum().backward()
-        calls.append(len(mon._recorder._records["activation"].keys()))
+        calls.append(len(mon._recorder._rec.by_name["activation"].keys()))
         opt.step()
         opt.zero_grad()
     mon.flush()

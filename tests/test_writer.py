@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from gradmon import statistics as S
-from gradmon.capture.hooks import _Records
+from gradmon.capture.records import _Records
 from gradmon.capture.packet import StepPacket
 from gradmon.capture.writer import write
 from gradmon.errors import ErrorLog

@@ -26,7 +26,7 @@ Batched = Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]
 
 
 class Records(Protocol):
-    """One statistic's records of the step as the recorder keeps them (``hooks._Records``)."""
+    """One statistic's records of the step as the recorder keeps them (``records._Records``)."""
 
     rows: List[Rows]
 

@@ -1,0 +1,437 @@
+"""What the hooks recorded in the current step, one tensor at a time: each statistic's records
+(``_Records``), the top-level blocks' outputs waiting for their batched check (``BlockChecks``),
+the batch rows those checks flagged (``BatchRows``), and :class:`StepRecords`, which owns them
+for one monitor. Records become part of the step only when the forward or backward that made
+them completed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import partial
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .. import statistics as S
+from ..errors import ErrorLog
+from ..statistics import Statistic
+from . import kernels as stats
+from . import sharded
+from .layers import is_floating
+from .packet import RowBlock
+
+log = logging.getLogger("gradmon")
+
+
+def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside a module output: tensors, tuples/lists (LSTM), dicts, dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif _depth > 4 or obj is None:
+        return
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from iter_tensors(item, _depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item, _depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
+
+
+def _fake_type() -> Optional[type]:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    return FakeTensor
+
+
+def measurable(t: torch.Tensor) -> Tuple[Optional[torch.Tensor], str]:
+    """(the tensor to measure, "") for a floating-point output or gradient, or (None, what
+    it is) when it has no values gradmon can reduce: a meta or fake tensor has none, a
+    nested tensor has no kernel for the reductions, a DTensor that is not replicated holds
+    only part of the value here (a replicated one is measured through its local copy).
+    Such a tensor costs its own record, never the step's other records."""
+    if t.is_meta:
+        return None, "a meta tensor"
+    if t.is_nested:
+        return None, "a nested tensor"
+    if type(t) is torch.Tensor:
+        return t, ""
+    fake = _fake_type()
+    if fake is not None and isinstance(t, fake):
+        return None, "a FakeTensor"
+    if sharded.is_sharded(t):
+        if all(p.is_replicate() for p in t.placements):
+            return t.to_local(), ""
+        return None, f"a DTensor placed {tuple(t.placements)}"
+    return t, ""
+
+
+RAW_BUDGET = 2 ** 22
+"""Elements of raw material (see ``Statistic.combine``) one statistic holds before it is
+combined into rows early: a recurrent cell called a thousand times in one forward must not
+keep a thousand 64 KB samples alive until the forward returns."""
+
+
+KEEP_SCRATCH_EVERY = 4
+"""Largest ``detail_every`` at which the recorder keeps its scratch memory between steps."""
+
+
+class _Records:
+    """The records one statistic made in the current step.
+
+    Records become part of the step only when what produced them completed: a forward
+    that raised, or a backward that raised (KeyboardInterrupt, OOM), must not leak its
+    partial statistics into the next step. ``commit()`` marks the records so far as
+    complete; ``drop_pending()`` forgets the rest. Keyed records (one per parameter)
+    replace that key's earlier record: the latest holds every micro-batch so far. A
+    statistic with ``combine`` records raw material, turned into its rows (all pending
+    records at once) when committed or when :data:`RAW_BUDGET` elements are waiting."""
+
+    __slots__ = ("keyed", "done", "pending", "combine", "scratch", "raw", "raw_elements", "rows", "pending_rows")
+
+    def __init__(self, keyed: bool, combine: Optional[Callable[..., torch.Tensor]] = None,
+                 scratch: Optional[stats.Scratch] = None) -> None:
+        self.keyed = keyed
+        self.combine = combine
+        self.scratch = scratch if scratch is not None else stats.Scratch()  # this step's only
+        self.done: Dict[Any, Tuple[int, int, Sequence[torch.Tensor]]] = {}  # insertion order
+        self.pending: List[Tuple[int, int, Sequence[torch.Tensor]]] = []
+        self.raw: List[int] = []  # positions in pending still holding raw material
+        self.raw_elements = 0
+        self.rows: List[_Rows] = []  # committed records made many at once
+        self.pending_rows: List[_Rows] = []
+
+    def add(self, key: int, numel: int, parts: Sequence[torch.Tensor]) -> None:
+        self.pending.append((key, numel, parts))
+        if self.combine is not None:
+            self.raw.append(len(self.pending) - 1)
+            self.raw_elements += parts[0].numel()
+            if self.raw_elements > RAW_BUDGET:
+                self._combine()
+
+    def add_rows(self, keys: Sequence[int], numels: Sequence[int], parts: Sequence[torch.Tensor]) -> None:
+        """Records of many tensors at once: ``parts`` are (n, width) blocks whose row j is
+        the record of ``keys[j]`` (not for keyed or combined statistics)."""
+        self.pending_rows.append((tuple(keys), tuple(numels), tuple(parts)))
+
+    def _combine(self) -> None:
+        if not self.raw:
+            return
+        raw = [self.pending[i] for i in self.raw]
+        rows = self.combine([r[2][0] for r in raw], [r[1] for r in raw], raw[0][2][0].device, self.scratch)
+        for i, row in zip(self.raw, rows.unbind(0)):
+            key, numel, _ = self.pending[i]
+            self.pending[i] = (key, numel, (row,))
+        self.raw, self.raw_elements = [], 0
+
+    def commit(self) -> None:
+        self._combine()
+        for record in self.pending:
+            self.done[record[0] if self.keyed else len(self.done)] = record
+        self.pending = []
+        self.rows.extend(self.pending_rows)
+        self.pending_rows = []
+
+    def drop_pending(self) -> None:
+        self.pending = []
+        self.pending_rows = []
+        self.raw, self.raw_elements = [], 0
+
+    def keys(self) -> List[int]:
+        """Keys of the committed records, in the order the packet carries them."""
+        return [key for key, _, _ in self.committed()] + [key for keys, _, _ in self.rows for key in keys]
+
+    def committed(self) -> List[Tuple[int, int, Sequence[torch.Tensor]]]:
+        records = list(self.done.values())
+        return sorted(records, key=lambda r: r[0]) if self.keyed else records
+
+
+_Rows = Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[torch.Tensor, ...]]  # keys, numels, (n, width) parts
+
+
+DEFER_MAX = 2 ** 14
+"""Largest top-level block output (elements) whose non-finite check waits for the end of
+the forward, to be made with every other one in a few kernels (``stats.extremes_many``).
+A larger one is checked in its hook: its kernel costs more than the hook's Python, and
+holding it until the end of the forward could keep alive memory that the forward (or
+activation checkpointing) would have freed."""
+
+
+class BlockChecks:
+    """The ordinary step's non-finite check of the top-level blocks' outputs, batched.
+
+    A small plain tensor returned by a block is kept, with its version counter, until the
+    root's forward returns; then all are checked at once. A later in-place op on it (a
+    ``ReLU(inplace=True)`` sibling, a residual ``+=`` in the root) would make the check
+    read a value the block never returned: a block is deferred only once one forward
+    showed its output unchanged at the end (until then its hook checks it at once), and a
+    deferred output found changed loses that record and goes back to being checked in its
+    hook. Holds no tensor between forwards."""
+
+    __slots__ = ("waiting", "probing", "settled")
+
+    def __init__(self) -> None:
+        self.waiting: List[Tuple[int, torch.Tensor, int]] = []  # (block key, output, its version then)
+        self.probing: List[Tuple[int, torch.Tensor, int]] = []  # checked in the hook, watched for a change
+        self.settled: set = set()  # block keys whose outputs may wait
+
+    @staticmethod
+    def plain(t: Any) -> bool:
+        """A tensor whose check may wait: a small dense floating-point torch.Tensor with values."""
+        return (type(t) is torch.Tensor and t.is_floating_point() and t.layout == torch.strided
+                and not t.is_meta and not t.is_nested and 0 < t.numel() <= DEFER_MAX)
+
+    def defer(self, key: int, t: Any) -> bool:
+        """Keep ``t`` for the end of the forward; False when its hook must check it now: it
+        is no :meth:`plain` tensor, or not yet known to stay unchanged (it is then watched,
+        to learn whether it may wait next time)."""
+        if not self.plain(t):
+            return False
+        if key in self.settled:
+            self.waiting.append((key, t, t._version))
+            return True
+        self.probing.append((key, t, t._version))
+        return False
+
+    def last(self) -> Optional[Tuple[int, torch.Tensor, int]]:
+        return self.waiting[-1] if self.waiting else None
+
+    def drop(self) -> None:
+        self.waiting, self.probing = [], []
+
+    def flush(self, into: Sequence[Tuple[Statistic, "_Records"]], alias: Sequence[int] = (),
+              rows: Optional["BatchRows"] = None) -> None:
+        """Check the waiting outputs: one batch of rows per statistic (``record_many``) into
+        its records; ``alias`` are more keys whose record is the last waiting output's (the
+        root's output, when it is the last block's, unchanged). ``BLOCK_FINITE`` checks
+        them by batch row, into ``rows``, where the batch is known."""
+        waiting, probing = self.waiting, self.probing
+        self.drop()
+        for key, t, version in probing:
+            if t._version == version:
+                self.settled.add(key)
+        kept = [entry for entry in waiting if entry[1]._version == entry[2]]
+        if len(kept) < len(waiting):
+            self.settled.difference_update(key for key, t, version in waiting if t._version != version)
+        if not kept:
+            return
+        alias = alias if waiting[-1][1]._version == waiting[-1][2] else ()
+        tensors = [entry[1] for entry in kept]
+        every_key = [entry[0] for entry in kept]
+        every_numel = list(map(torch.Tensor.numel, tensors))
+        for st, records in into:
+            if st is S.BLOCK_FINITE and rows is not None and rows.size is not None:
+                per_row: List[Tuple[int, torch.Tensor, int]] = []
+                *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row)
+                rows.pending.extend((every_key[i], block, start, rows.size) for i, block, start in per_row)
+            else:
+                *parts, order = st.record_many(tensors, tensors[0].device)
+            keys = list(map(every_key.__getitem__, order))
+            numels = list(map(every_numel.__getitem__, order))
+            if alias:
+                at = order.index(len(kept) - 1)
+                keys += alias
+                numels += [numels[at]] * len(alias)
+                parts = [torch.cat((part, part[at:at + 1].expand(len(alias), -1))) for part in parts]
+            records.add_rows(keys, numels, parts)
+
+
+class BatchRows:
+    """Which batch rows of each top-level block's output went non-finite: the block check's
+    per-row result (``stats.extremes``/``extremes_many`` given the batch), kept as device
+    tensors for the step's packet and read on the host only at an incident (publisher
+    thread). The batch is the root input's first dimension; a block output whose first
+    dimension is another size has no rows, nor has any output of a forward whose batch
+    cannot be told (:func:`batch_size`)."""
+
+    __slots__ = ("size", "pending", "kept", "forwards")
+
+    def __init__(self) -> None:
+        self.size: Optional[int] = None  # rows of this forward's batch
+        # (block key, block, start, size): block[start:start + size] is the [min, max] of each row
+        self.pending: List[Tuple[int, torch.Tensor, int, int]] = []
+        # this step's completed forwards' (micro-batches), each with its forward's index
+        self.kept: List[RowBlock] = []
+        self.forwards = 0
+
+    def start(self, root: nn.Module, args: Any, kwargs: Any) -> None:
+        self.pending, self.size = [], None
+        self.size = batch_size(root, args, kwargs)
+
+    def commit(self) -> None:
+        self.kept.extend(RowBlock(*entry, self.forwards) for entry in self.pending)
+        self.pending = []
+        self.forwards += 1
+
+    def take(self) -> Tuple[RowBlock, ...]:
+        kept, self.kept, self.pending, self.forwards = tuple(self.kept), [], [], 0
+        return kept
+
+
+def batch_size(root: nn.Module, args: Any, kwargs: Any) -> Optional[int]:
+    """The root input's batch size: the first dimension of its first tensor; None where
+    it cannot be told (a packed sequence, a sequence-first recurrent root, no tensor)."""
+    if isinstance(root, nn.RNNBase) and not root.batch_first:
+        return None
+    if any(isinstance(x, nn.utils.rnn.PackedSequence) for x in (*args, *(kwargs or {}).values())):
+        return None
+    first = next((t for t in iter_tensors((args, kwargs)) if t.dim() > 0), None)
+    return int(first.shape[0]) if first is not None else None
+
+
+class StepRecords:
+    """One monitor's records of the current step: every statistic recorded one tensor at a
+    time, by moment (``statistics.OUTPUT``, ``BLOCK``, ``OUTPUT_GRAD``, ...), with the block
+    checks waiting for the end of the forward and the batch rows they flagged.
+
+    The tensor recorded last at a moment is held until the next record or the end of its
+    pass: recorded again unchanged, it reuses its records, and another statistic may derive
+    its record from them (``Statistic.derive``)."""
+
+    def __init__(self, statistics: Sequence[Statistic], layer_names: Sequence[str], errors: ErrorLog,
+                 keep_scratch: bool) -> None:
+        self._statistics = tuple(st for st in statistics if st.at not in S.BATCHED)
+        self._at: Dict[str, Tuple[Statistic, ...]] = {
+            at: tuple(st for st in self._statistics if st.at == at) for at in {st.at for st in self._statistics}}
+        self._layer_names = tuple(layer_names)
+        self._errors = errors
+        # The combined statistics' temporaries, kept from one detail step to the next only
+        # where those come often: on the CPU fresh pages for them cost 0.8 ms a detail step
+        # on the benchmark's GPT (0.3 % with every family every step), where at the default
+        # cadence keeping them would hold memory (5 MB there, up to 32 MB) for 0.02 %.
+        self._scratch = stats.Scratch() if keep_scratch else None
+        self._last: Dict[str, Tuple[torch.Tensor, int, List[Tuple[Statistic, Any]]]] = {}
+        self._unmeasured: set = set()  # kinds of tensor skipped, already logged
+        self.blocks = BlockChecks()
+        self.rows = BatchRows()
+        self.by_name: Dict[str, _Records] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: nothing recorded, nothing waiting."""
+        self.by_name = {st.name: _Records(st.by_parameter, st.combine, self._scratch) for st in self._statistics}
+        self.blocks.drop()
+        self.rows.take()
+
+    def release(self) -> None:
+        """Hold no tensor and no scratch memory any more (after detach)."""
+        self._scratch = None
+        self._last.clear()
+        self.blocks = BlockChecks()
+        self.rows = BatchRows()
+        self.reset()
+
+    def each(self, *moments: str) -> Iterator[_Records]:
+        for at in moments:
+            for st in self._at.get(at, ()):
+                yield self.by_name[st.name]
+
+    def drop_pending(self, *moments: str) -> None:
+        """Forget what a pass that did not complete recorded at ``moments`` (all: every moment)."""
+        for records in (self.each(*moments) if moments else self.by_name.values()):
+            records.drop_pending()
+
+    def end_of_pass(self) -> None:
+        """A forward or backward pass ended: the last tensors recorded are held no longer."""
+        self._last.clear()
+
+    def commit(self, records: Iterable[_Records], stage: str) -> None:
+        """Commit each statistic's pending records; one whose raw records fail to combine
+        misses them (counted under ``stage``), the others are unaffected."""
+        for r in records:
+            try:
+                r.commit()
+            except Exception as exc:
+                r.drop_pending()
+                self._errors.record(stage, exc)
+
+    def flush_blocks(self, alias: Sequence[int] = ()) -> None:
+        """The waiting block checks, made now (``BlockChecks.flush``); a failure is counted."""
+        try:
+            self.blocks.flush([(st, self.by_name[st.name]) for st in self._at.get(S.BLOCK, ())], alias, self.rows)
+        except Exception as exc:
+            self._errors.record("forward", exc)
+
+    def record_values(self, at: str, key: int, values: Any,
+                      grad_flow: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
+        """Records of each floating-point tensor among ``values`` (and ``grad_flow(key, grad)``
+        hooked on each that requires grad, where given); one that cannot be measured, or
+        whose measurement fails, costs only its own records."""
+        for t in iter_tensors(values):
+            if not is_floating(t) or t.numel() == 0:
+                continue
+            try:
+                values_of = self.measurable(t, at, key)
+                if values_of is None:
+                    continue
+                self.record(at, key, values_of, "forward")
+                if grad_flow is not None and t.requires_grad:
+                    t.register_hook(partial(grad_flow, key))
+            except Exception as exc:
+                self._errors.record("forward", exc)
+
+    def record(self, at: str, key: int, t: torch.Tensor, stage: str) -> None:
+        """One record of every statistic recorded at ``at``, of the tensor ``t``; a
+        statistic that fails on it misses this record alone (counted under ``stage``). The
+        tensor recorded last at ``at``, recorded again unchanged, reuses its records: a
+        model whose forward returns its last child's output (the logits: an LLM's largest
+        tensor) would otherwise be read twice every step, as a block and as the root."""
+        last = self._last.get(at)
+        if last is not None and last[0] is t and last[1] == t._version:
+            made = last[2]
+        else:
+            made = []
+            for st in self._at.get(at, ()):
+                if st.dtypes is None or t.dtype in st.dtypes:
+                    try:
+                        made.append((st, self._make(st, key, t)))
+                    except Exception as exc:
+                        self._errors.record(stage, exc)
+            # one tensor held per moment, until the next record or the end of the pass
+            self._last[at] = (t, t._version, made)
+        for st, parts in made:
+            self.by_name[st.name].add(key, t.numel(), parts)
+
+    def _make(self, st: Statistic, key: int, t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``st``'s record of ``t`` (of record ``key``): derived from another's where it can
+        be; BLOCK_FINITE's made by batch row where ``t`` has the batch's rows (into
+        ``self.rows``). A block derived from its activation record (a direct child that is
+        a layer, on a detail step) has no rows that step: they would cost another pass."""
+        derived = st.derive is not None and self._derived(st, t)
+        if derived:
+            return derived
+        if st is S.BLOCK_FINITE and stats.has_rows(t, self.rows.size):
+            lo, hi, rows = stats.extremes(t, self.rows.size)
+            self.rows.pending.append((key, rows, 0, self.rows.size))
+            return lo, hi
+        return st.record(t)
+
+    def _derived(self, st: Statistic, t: torch.Tensor) -> Optional[Tuple[torch.Tensor, ...]]:
+        """``st``'s record of ``t`` taken from the record another statistic made of it
+        (see ``Statistic.derive``), or None where there is none."""
+        source, pick = st.derive
+        for tensor, version, made in self._last.values():
+            if tensor is t and version == t._version:
+                parts = next((parts for other, parts in made if other.name == source), None)
+                if parts is not None:
+                    return pick(parts)
+        return None
+
+    def measurable(self, t: torch.Tensor, at: str, key: int) -> Optional[torch.Tensor]:
+        """``measurable(t)``, saying once per kind of tensor what is skipped."""
+        out, what = measurable(t)
+        if out is None and what not in self._unmeasured:
+            self._unmeasured.add(what)
+            where = (f"the value of top-level block #{key} (#0: the model's input)" if at == S.BLOCK else
+                     ("the gradient of the output" if at == S.OUTPUT_GRAD else "the output")
+                     + f" of layer {self._layer_names[key]!r}")
+            log.warning("gradmon: %s is %s, which has no values gradmon can reduce; that record is skipped, "
+                        "the rest of the step is measured (said once per kind of tensor)", where, what)
+        return out
