@@ -273,12 +273,18 @@ LATE_SEED = 2
 
 
 def split_of(run: Run) -> str:
-    """Test: every run of the held-out family, and the late seeds of the other two."""
+    """Test: every run of the held-out family, and the late seeds of the other two; the
+    independent set's runs (``independent.py``, kept outside the repository): independent."""
+    import independent  # noqa: E402  (declares its runs with this module's Run)
+    if run in independent.runs():
+        return independent.SPLIT
     return "test" if run.family == TEST_FAMILY or run.seed >= LATE_SEED else "tune"
 
 
 def by_name() -> Dict[str, Run]:
-    return {r.name: r for r in runs()}
+    """Every declared run, the independent set's included (a replay rebuilds its model by name)."""
+    import independent  # noqa: E402
+    return {r.name: r for r in runs() + independent.runs()}
 
 
 # -- training ------------------------------------------------------------------------------

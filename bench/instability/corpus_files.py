@@ -1,6 +1,10 @@
 """Where the corpus lives and how a recording is read: the one reader of the files
 ``record_corpus.py`` writes (``corpus/<run>.npz``, ``corpus/manifest.json``, ``corpus/labels.json``).
 
+The directory is ``corpus/`` unless :func:`use` (each script's ``--dir``) or the environment
+variable ``GRADMON_CORPUS_DIR`` names another: the independent set (``independent.py``) lives
+outside the repository, and everything else about its files is the same.
+
 A recording holds, as numpy arrays (``np.load(..., allow_pickle=False)``):
 
 - ``loss`` (float32, one per step): the loss as the training loop computed it, unscaled;
@@ -22,16 +26,33 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Union
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-DIR = HERE / "corpus"
-MANIFEST = DIR / "manifest.json"
-LABELS = DIR / "labels.json"
-TEST_LOG = DIR / "test-split-log.jsonl"
+ROOT = HERE.parents[1]  # the repository
+COMMITTED = HERE / "corpus"
+ENV = "GRADMON_CORPUS_DIR"
+DIR = MANIFEST = LABELS = TEST_LOG = COMMITTED  # set by use() below
+
+
+def use(directory: Optional[Union[str, Path]]) -> None:
+    """Read and write recordings, manifest, labels and test log in ``directory`` (None: the
+    committed corpus). Kept in the environment too, so that the processes a script starts (one
+    per recorded run, score.py's pool) read the same directory."""
+    global DIR, MANIFEST, LABELS, TEST_LOG
+    DIR = Path(directory).resolve() if directory else COMMITTED
+    MANIFEST, LABELS, TEST_LOG = DIR / "manifest.json", DIR / "labels.json", DIR / "test-split-log.jsonl"
+    if DIR == COMMITTED:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = str(DIR)
+
+
+use(os.environ.get(ENV))
 
 
 MANTISSA_BITS = 16  # of float32's 23

@@ -2,6 +2,7 @@
 
     python bench/instability/label.py            # (re)writes bench/instability/corpus/labels.json
     python bench/instability/label.py --check    # exit 1 if the committed labels differ
+    python bench/instability/label.py --dir /work/independent-corpus   # another directory's runs
 
 An **event** starts at the first step of the earliest of
 
@@ -126,8 +127,11 @@ def label_corpus() -> Dict[str, dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="compare with the committed labels.json")
+    p.add_argument("--dir", type=Path, help="label the recordings in this directory instead of corpus/")
     a = p.parse_args()
     import corpus_files
+    if a.dir is not None:
+        corpus_files.use(a.dir)
     labels = label_corpus()
     doc = {"sha256": digest(labels), "labels": labels}
     if a.check:
@@ -137,7 +141,7 @@ def main() -> None:
     counts: Dict[str, int] = {}
     for v in labels.values():
         counts[v["kind"]] = counts.get(v["kind"], 0) + 1
-    print(f"{len(labels)} runs: {counts}; sha256 {doc['sha256']}")
+    print(f"{corpus_files.LABELS}: {len(labels)} runs: {counts}; sha256 {doc['sha256']}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ step packet gradmon's publisher folded, exactly as it folded it.
     nice -n 19 python bench/instability/record_corpus.py                 # every run not yet recorded
     nice -n 19 python bench/instability/record_corpus.py --only lm-healthy-warmup-s0
     python bench/instability/record_corpus.py --manifest                 # rewrite manifest.json only
+    nice -n 10 python bench/instability/record_corpus.py --set independent --dir /work/independent-corpus
 
 Each run gets a fresh process, one at a time, one thread (gradmon's counters continue across
 attaches of one model name in one process; a real job is one process). gradmon is attached as a
@@ -37,7 +38,15 @@ from gradmon.packet import StepPacket
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
 import corpus_files as files  # noqa: E402
+import independent  # noqa: E402
 import inprocess  # noqa: E402
+
+SETS = {  # which runs --set records, and what its manifest says about them
+    "corpus": (corpus.runs, "Alert-evaluation corpus (issue 22). Split rule: test = every run of family "
+                            f"'{corpus.TEST_FAMILY}' and every run with seed >= {corpus.LATE_SEED}; the rest is tune."),
+    "independent": (independent.runs, "Independent set (issue 23, bench/instability/independent.py): seeds and "
+                                      "settings the corpus never used; kept outside the repository, scored at the end."),
+}
 
 
 def layout_of(packet: StepPacket) -> dict:
@@ -136,11 +145,12 @@ def record(run: corpus.Run, steps: Optional[int] = None, registry: Optional[Coll
     return arrays
 
 
-def write_manifest() -> dict:
-    """The manifest from the run declarations and whatever recordings exist: cause, mechanism,
-    chance level, split, settings, and each file's size and sha256."""
+def write_manifest(which: str = "corpus") -> dict:
+    """The manifest from the run declarations of set ``which`` and whatever recordings exist:
+    cause, mechanism, chance level, split, settings, and each file's size and sha256."""
+    declared, description = SETS[which]
     entries = {}
-    for run in corpus.runs():
+    for run in declared():
         p = files.path(run.name)
         entry = {"family": run.family, "cause": run.cause, "mechanism": corpus.MECHANISMS[run.cause],
                  "seed": run.seed, "split": corpus.split_of(run), "chance": corpus.FAMILIES[run.family].chance,
@@ -153,8 +163,7 @@ def write_manifest() -> dict:
                           "torch_version": m["torch_version"], "gradmon_version": m["gradmon_version"],
                           "recorded": m["recorded"], "layers": m["layers"]})
         entries[run.name] = entry
-    doc = {"description": "Alert-evaluation corpus (issue 22). Split rule: test = every run of family "
-                          f"'{corpus.TEST_FAMILY}' and every run with seed >= {corpus.LATE_SEED}; the rest is tune.",
+    doc = {"description": description,
            "test_family": corpus.TEST_FAMILY, "late_seed": corpus.LATE_SEED,
            "mechanisms": corpus.MECHANISMS, "runs": entries}
     files.MANIFEST.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
@@ -165,17 +174,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", help="run names (default: every run without a recording)")
     p.add_argument("--manifest", action="store_true", help="only rewrite manifest.json")
+    p.add_argument("--set", choices=sorted(SETS), default="corpus", help="which declared runs (default: corpus)")
+    p.add_argument("--dir", type=Path, help="record into this directory instead of corpus/ (the independent set's "
+                                            "lives outside the repository)")
     a = p.parse_args()
+    if a.dir is not None:  # else the directory is corpus/ or, in a run's own process, the parent's
+        files.use(a.dir)
+    if a.set != "corpus" and files.ROOT in (files.DIR, *files.DIR.parents):
+        p.error(f"--set {a.set} is recorded outside the repository (--dir), so that nobody tunes on it")
     if a.manifest:
-        write_manifest()
+        write_manifest(a.set)
         return
     torch.set_num_threads(1)
     files.DIR.mkdir(parents=True, exist_ok=True)
-    chosen = [r for r in corpus.runs() if (r.name in a.only if a.only else not files.path(r.name).exists())]
+    declared = SETS[a.set][0]()
+    chosen = [r for r in declared if (r.name in a.only if a.only else not files.path(r.name).exists())]
     if len(chosen) > 1 or not a.only:
-        for run in chosen:  # a fresh process per run, as a real job is
-            subprocess.run([sys.executable, __file__, "--only", run.name], check=True)
-        write_manifest()
+        for run in chosen:  # a fresh process per run, as a real job is (it inherits the directory: files.use)
+            subprocess.run([sys.executable, __file__, "--set", a.set, "--only", run.name], check=True)
+        write_manifest(a.set)
         return
     for run in chosen:
         t0 = time.process_time()

@@ -347,18 +347,29 @@ def main() -> None:
     p.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
     p.add_argument("--docs", type=Path, nargs="?", const=ROOT / "docs" / "alert-evaluation.md",
                    help="also write the report into this file's generated section (default: docs/alert-evaluation.md)")
+    p.add_argument("--dir", type=Path, help="score the recordings in this directory instead of corpus/ (the "
+                                            "independent set: every split its manifest declares; never logged "
+                                            "to corpus/test-split-log.jsonl)")
     a = p.parse_args()
+    if a.dir is not None:
+        if a.docs is not None:
+            p.error("--docs is the committed corpus's section; score another --dir without it")
+        files.use(a.dir)
     binary = replay.promtool()
     if binary is None:
         sys.exit("promtool not found (Debian package prometheus)")
     manifest = files.manifest()["runs"]
     splits = ("tune", "test") if a.split == "both" else (a.split,)
+    if a.dir is not None and a.split == "both":
+        splits = tuple(sorted({e["split"] for e in manifest.values()}))
     names = [n for n in sorted(manifest) if manifest[n]["split"] in splits and (not a.runs or n in a.runs)]
     t0 = time.monotonic()
     at = commit()  # the code that scores is the code at the start
     scores = score(names, a.rates, binary, a.jobs, progress=not a.quiet)
     log_test_scoring(scores, a.rates, at)
     text = report(scores, splits, a.rates, len(names), time.monotonic() - t0, at)
+    if a.dir is not None:
+        text = f"Runs of {files.DIR} ({', '.join(splits)}), not the committed corpus.\n\n{text}"
     print(text)
     if a.docs is not None:
         write_docs(a.docs, text)
