@@ -264,3 +264,35 @@ def test_the_docs_section_is_replaced_between_its_markers_and_nothing_else(tmp_p
     doc.write_text(f"# head\n{score.BEGIN}\nold table\n{score.END}\ntail\n")
     score.write_docs(doc, "new table")
     assert doc.read_text() == f"# head\n{score.BEGIN}\nnew table\n{score.END}\ntail\n"
+
+
+# -- the independent set (issue 23): declared in the repository, recorded and scored outside it --
+
+import subprocess  # noqa: E402
+
+import independent  # noqa: E402
+
+
+def test_the_independent_set_uses_no_seed_of_the_corpus():
+    seeds = {r.seed for r in independent.runs()}
+    assert len(independent.runs()) >= 12 and seeds.isdisjoint({r.seed for r in corpus.runs()})
+
+
+def test_dir_sends_the_manifest_and_labels_there_and_leaves_the_committed_corpus_alone(tmp_path):
+    committed = {p: p.read_bytes() for p in sorted(files.COMMITTED.iterdir())}
+    here = ROOT / "bench" / "instability"
+    for script, *args in (("record_corpus.py", "--set", "independent", "--manifest"), ("label.py",)):
+        subprocess.run([sys.executable, str(here / script), *args, "--dir", str(tmp_path)], check=True,
+                       capture_output=True)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())["runs"]
+    assert set(manifest) == {r.name for r in independent.runs()}
+    assert {e["split"] for e in manifest.values()} == {"independent"}
+    assert (tmp_path / "labels.json").exists()
+    assert {p: p.read_bytes() for p in sorted(files.COMMITTED.iterdir())} == committed
+
+
+def test_the_independent_set_is_refused_inside_the_repository():
+    missing = ROOT / "bench" / "instability" / "not-a-corpus"  # without the refusal: a traceback, nothing written
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "instability" / "record_corpus.py"),
+                           "--set", "independent", "--manifest", "--dir", str(missing)], capture_output=True, text=True)
+    assert done.returncode == 2 and "outside the repository" in done.stderr
