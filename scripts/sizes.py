@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=5, help="how many of the longest of each kind to print")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
     everything = list(spans())
     for kind in ("class", "function"):
         print(f"longest {kind}es:" if kind == "class" else f"longest {kind}s:")

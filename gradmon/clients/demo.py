@@ -592,16 +592,48 @@ def _train(args: argparse.Namespace, faults: Sequence[Fault], console: Console, 
            done: Optional[Callable[[Report], None]] = None) -> "Report | int":
     """Train; the report, or an exit status when the demo cannot start. ``done`` gets the
     report before any --hold (a rank hands it to the parent); without it, this prints it."""
-    import gradmon
-    from gradmon import config
-
     torch.manual_seed(args.seed)
     model: nn.Module = DemoNet()
     if rank is not None:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
-
     incidents: List[Any] = []  # appended on gradmon's publisher thread, read after flush()
+    options = _options(args, incidents, console, rank)
+    if isinstance(options, int):
+        return options
+    monitor = _attach(model, options, args, faults, console)
+    if isinstance(monitor, int):
+        return monitor
+    served = monitor.url
+    stop = threading.Event()  # SIGTERM ends the loop, a stall and the hold at once
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    step, watch = _loop(model, monitor, args, faults, console, rank, stop)
+    monitor.detach()  # finished; with keep_serving the page and /metrics stay up until the process exits
+    report = Report(step, disabled=monitor.state == "disabled", nonfinite_steps=monitor.snapshot().nonfinite_steps,
+                    incidents=[(i.step, i.grad_layer, i.activation_layer) for i in incidents],
+                    explosions=watch.found, rank=rank, url=served,
+                    own_nonfinite=None if rank is None else sum(
+                        count for tensor, _, count, _ in monitor.snapshot().rank_nonfinite
+                        if tensor == M.TENSOR_LOCAL_GRAD))
+    if done is not None:
+        done(report)
+    else:
+        console.say(report.text())
+        if served is not None and monitor.config.ui:
+            console.say(_after(args, served))
+    if args.hold > 0 and served is not None:
+        try:
+            stop.wait(args.hold)
+        except KeyboardInterrupt:
+            pass  # the hold's own way out, as its line says
+    return report
+
+
+def _options(args: argparse.Namespace, incidents: List[Any], console: Console, rank: Optional[int]
+             ) -> "Dict[str, Any] | int":
+    """gradmon's options for this demo, or the exit status when they cannot work (said why)."""
+    from gradmon import config
+
     options: Dict[str, Any] = {k: v for k, v in (("port", args.port), ("addr", args.addr), ("every", args.every),
                                                  ("detail_every", args.detail_every), ("name", args.name))
                                if v is not None}
@@ -612,33 +644,46 @@ def _train(args: argparse.Namespace, faults: Sequence[Fault], console: Console, 
         console.say(f"monitoring is disabled: {config.env_var('disable')}={os.environ[config.env_var('disable')]} "
                     "is set in the environment, so gradmon attaches nothing and serves no metrics "
                     "(the model trains as it would without gradmon). Unset it to see the metrics.")
-    else:
-        try:
-            cfg = config.resolve(options)
-        except (TypeError, ValueError) as exc:
-            console.say(str(exc))
-            return 2
-        if cfg.port and cfg.registry is None and rank is None and _port_in_use(cfg.addr, cfg.port):
-            asked = _port_asked(args)
-            if asked:
-                console.say(f"port {cfg.port} is in use ({asked}); choose another with --port, "
-                            "or --port 0 for a free one")
-                return 1
-            console.say(f"port {cfg.port} is in use; serving on a free port instead (choose one with --port)")
-            options["port"] = 0
+        return options
+    try:
+        cfg = config.resolve(options)
+    except (TypeError, ValueError) as exc:
+        console.say(str(exc))
+        return 2
+    if cfg.port and cfg.registry is None and rank is None and _port_in_use(cfg.addr, cfg.port):
+        asked = _port_asked(args)
+        if asked:
+            console.say(f"port {cfg.port} is in use ({asked}); choose another with --port, "
+                        "or --port 0 for a free one")
+            return 1
+        console.say(f"port {cfg.port} is in use; serving on a free port instead (choose one with --port)")
+        options["port"] = 0
+    return options
+
+
+def _attach(model: nn.Module, options: Dict[str, Any], args: argparse.Namespace, faults: Sequence[Fault],
+            console: Console) -> Any:
+    """gradmon attached to ``model``, where everything is and what will happen said; or the
+    exit status when its server could not start."""
+    import gradmon
+
     monitor = gradmon.attach(model, **options)
     if monitor.state == "server_failed":
         console.say(f"{monitor.error}; nothing to look at, stopping (choose another --port)")
         monitor.detach()
         return 1
-    served = monitor.url
     if monitor.state != "disabled":
         console.say(f"{len(monitor.layers)} layers, metrics at {monitor.url}")
         console.raw(lambda out: _next_steps(monitor.url, monitor.port, args.port, out))
     console.say(_plan(args))
     for fault in faults:
         console.event(f"will inject {fault.kind} into {fault.layer} at step {fault.step}")
+    return monitor
 
+
+def _loop(model: nn.Module, monitor: Any, args: argparse.Namespace, faults: Sequence[Fault], console: Console,
+          rank: Optional[int], stop: threading.Event) -> "Tuple[int, ExplosionWatch]":
+    """The training loop, until --steps, SIGTERM or Ctrl-C: the steps taken, and the explosions seen."""
     step = 0
     inner = model.module if rank is not None else model
     for layer in {f.layer for f in faults}:
@@ -653,8 +698,6 @@ def _train(args: argparse.Namespace, faults: Sequence[Fault], console: Console, 
     if rank:  # each rank its own shard of the data: the same teacher, its own samples
         teacher.generator = torch.Generator().manual_seed(args.seed + 1000 * rank)
     watch = ExplosionWatch()
-    stop = threading.Event()  # SIGTERM ends the loop, a stall and the hold at once
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
     started = time.monotonic()
     try:
         while not stop.is_set() and (args.steps == 0 or step < args.steps):
@@ -687,25 +730,7 @@ def _train(args: argparse.Namespace, faults: Sequence[Fault], console: Console, 
         pass
     finally:
         monitor.flush()  # every step's incident reaches the summary
-    monitor.detach()  # finished; with keep_serving the page and /metrics stay up until the process exits
-    report = Report(step, disabled=monitor.state == "disabled", nonfinite_steps=monitor.snapshot().nonfinite_steps,
-                    incidents=[(i.step, i.grad_layer, i.activation_layer) for i in incidents],
-                    explosions=watch.found, rank=rank, url=served,
-                    own_nonfinite=None if rank is None else sum(
-                        count for tensor, _, count, _ in monitor.snapshot().rank_nonfinite
-                        if tensor == M.TENSOR_LOCAL_GRAD))
-    if done is not None:
-        done(report)
-    else:
-        console.say(report.text())
-        if served is not None and monitor.config.ui:
-            console.say(_after(args, served))
-    if args.hold > 0 and served is not None:
-        try:
-            stop.wait(args.hold)
-        except KeyboardInterrupt:
-            pass  # the hold's own way out, as its line says
-    return report
+    return step, watch
 
 
 def _progress(step: int, loss: torch.Tensor, snap: Any, steps: int, elapsed: float) -> str:
