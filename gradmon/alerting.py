@@ -54,6 +54,9 @@ class Thresholds:
     fraction of steps means the scale is collapsing and the run is not learning."""
     amp_min_loss_scale: float = 1.0
     """A loss scale below this has given up on fp16's range."""
+    spike_hold_steps: int = 50
+    """Steps a spike keeps its warning firing, counted in the process (the same at any
+    step rate)."""
     spike_repeats: int = 3
     """Spike steps of one signal within ``Timing.spike_repeat_window`` that make spikes
     critical (one is a warning). A step is what the counter counts: a spike lasting
@@ -98,6 +101,9 @@ class Timing:
     divergence_for: float = 300
     amp_window: float = 600
     amp_for: float = 600
+    event_window: float = 120
+    """Range that holds the last two scrapes (``idelta``: what moved since the previous
+    scrape): at least twice the scrape interval, Prometheus' default 1m included."""
     spike_window: float = 900
     """How long one spike keeps its warning firing (``increase()`` of the spike counter)."""
     spike_repeat_window: float = 3600
@@ -285,13 +291,15 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
     ]
 
 
-def _spike_steps(th: Thresholds, signals: Sequence[str], window: float, by: str) -> str:
-    """Spike steps of ``signals`` counted in ``window`` after warm-up, summed ``by``."""
-    # The counter only where the run is past warm-up, as a subquery at the rule's own
-    # evaluation interval: a window reaching back into the warm-up does not count the
-    # warm-up's spikes, and no recording rule is needed (Grafana inlines those).
-    counted = f"{_s(M.SPIKE_STEPS)}{{signal=~\"{'|'.join(signals)}\"}} and on({TARGET}) {_past_warmup(th)}"
-    return f"sum by ({by}) (increase(({counted})[{dur(window)}:]))"
+def _recent_spike(th: Thresholds, t: Timing, signals: Sequence[str], by: str) -> str:
+    """A spike of ``signals`` within the last ``spike_hold_steps`` steps, or since the previous
+    scrape: decided in the process and counted in steps, so a hold means the same at any step
+    rate, and a job that runs more than ``spike_hold_steps`` steps between two scrapes still
+    warns once for a spike no scrape saw (the steps between the last two scrapes, ``idelta``)."""
+    since = f"{M.STEPS_SINCE_SPIKE.name}{{signal=~\"{'|'.join(signals)}\"}}"
+    return (f"min by ({by}) (\n  {since} < {th.spike_hold_steps}\n  or\n"
+            f"  {since} < on({TARGET}) group_left() idelta({_s(M.STEPS)}[{dur(t.event_window)}])\n)\n"
+            f"and on({TARGET}) {_past_warmup(th)}")
 
 
 def _max_reading(spec: M.MetricSpec, th: Thresholds, window: float, by: str) -> str:
@@ -300,11 +308,12 @@ def _max_reading(spec: M.MetricSpec, th: Thresholds, window: float, by: str) -> 
     return f"max_over_time((max by ({by}) ({spec.name}) and on({TARGET}) {_past_warmup(th)})[{dur(window)}:])"
 
 
-def _loss_high(th: Thresholds, t: Timing) -> str:
-    """The loss over its running minimum, where it stayed above ``loss_divergence`` at
-    every scrape of ``loss_window``: one noisy batch above it is no divergence."""
-    return (f"(\n  min_over_time({M.LOSS.name}[{dur(t.loss_window)}]) / {M.LOSS_RUNNING_MIN.name} > {th.loss_divergence:g}\n"
-            f"  and {M.LOSS_RUNNING_MIN.name} > 0\n)")
+def _diverging(t: Timing) -> str:
+    """The confirmed divergence, decided in the process at every step (``divergence.py``):
+    its state, or one entered and left since the previous scrape (the counter moved between
+    the last two scrapes)."""
+    return (f"max by ({TARGET}) ({M.LOSS_DIVERGING_STEPS.name}) > 0\n"
+            f"or\nmax by ({TARGET}) (idelta({_s(M.LOSS_DIVERGENCES)}[{dur(t.event_window)}])) > 0")
 
 
 _SPIKE_MEANING = "a value above twice its window's median and far outside its noise"
@@ -312,26 +321,20 @@ _SPIKE_MEANING = "a value above twice its window's median and far outside its no
 
 def _spike_alerts(th: Thresholds, t: Timing, name: str, what: str, signals: Sequence[str],
                   meaning: str = _SPIKE_MEANING) -> List[Alert]:
-    """A warning for any spike step of ``signals`` (one per step, counted in the process:
-    ``increase()`` sees a spike that no scrape did) and a critical alert for repeated ones,
-    or for one while the loss is above ``loss_divergence`` times its running minimum."""
+    """A warning while a spike of ``signals`` is recent (counted in steps, in the process:
+    a spike no scrape saw still warns), and a critical alert while a confirmed divergence
+    has such a spike among its evidence: a spike before the loss climbed."""
     where = WHERE
-
-    def spikes(window: float) -> str:
-        return _spike_steps(th, signals, window, f"{TARGET}, signal")
-
-    loss_high = f"on({TARGET}) {_loss_high(th, t)}"
+    evidence = f"{{signal=~\"{'|'.join(signals)}\"}}"
     return [
         Alert(f"Gradmon{name}", "warning", f"{what} spike",
-              f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}) in the last "
-              f"{dur(t.spike_window)}: {meaning}.",
-              f"{spikes(t.spike_window)} > 0", 0),
-        Alert(f"Gradmon{name}Severe", "critical", f"Repeated {what.lower()} spikes or a spike with the loss diverging",
-              f"{{{{ $value | printf \"%.0f\" }}}} {{{{ $labels.signal }}}} spike steps ({where}): at least {th.spike_repeats} in "
-              f"{dur(t.spike_repeat_window)}, or a spike in {dur(t.spike_window)} while the loss stayed above "
-              f"{th.loss_divergence:g}x its running minimum for {dur(t.loss_window)}.",
-              f"(\n  {spikes(t.spike_repeat_window)} >= {th.spike_repeats}\n  or\n"
-              f"  ({spikes(t.spike_window)} > 0 and {loss_high})\n)", 0),
+              f"A {{{{ $labels.signal }}}} spike ({where}) in the last {th.spike_hold_steps} steps: {meaning}. "
+              "Gradient or loss evidence alone: a warning until the loss confirms a divergence.",
+              _recent_spike(th, t, signals, f"{TARGET}, signal"), 0),
+        Alert(f"Gradmon{name}Severe", "critical", f"The loss diverges after a {what.lower()} spike",
+              f"The loss is diverging ({where}), and a {{{{ $labels.signal }}}} spike came before it climbed: "
+              "the instability started before the loss showed it (see GradmonLossDiverging).",
+              f"max by ({TARGET}, signal) ({M.DIVERGENCE_EVIDENCE.name}{evidence}) == 1", 0),
     ]
 
 
@@ -343,24 +346,24 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
     post = f"on({TARGET}) {_past_warmup(th)}"
     lr = M.LEARNING_RATE.name
     return [
-        # Two independent signals: the loss alone cannot tell a divergence from a noisy
-        # small-batch loss, whose batches often sit at 2-4x the luckiest batch seen.
-        Alert("GradmonLossDiverging", "critical", "The loss stays far above its best, after an instability warning",
-              f"The loss ({where}) stayed above {th.loss_divergence:g}x its running minimum at every scrape for "
-              f"{dur(t.loss_window)} (now {{{{ $value | humanize }}}}x), within {dur(t.spike_repeat_window)} of a loss or "
-              f"gradient-norm spike (global, a rank's own, or a layer's jump to norm_jump_ratio times its "
-              f"baseline) or an Adam RMS above {th.adam_rms_spike:g}: the run regressed and is not "
-              "recovering by itself.",
-              f"{_loss_high(th, t)}\nand on({TARGET}) (\n"
-              f"  {_spike_steps(th, M.SPIKE_SIGNALS, t.spike_repeat_window, TARGET)} > 0\n  or\n"
-              f"  {_max_reading(M.ADAM_RMS, th, t.spike_repeat_window, TARGET)} > {th.adam_rms_spike:g}\n)", 0),
+        Alert("GradmonLossDiverging", "critical", "The loss is diverging, confirmed",
+              f"The loss trend (mean of the last 20 losses) is at least 2x its best and loss_floor above it "
+              f"({where}), with evidence from before it climbed: a loss or gradient spike, a climb over many "
+              "steps, 100 steps diverged, or a non-finite loss (gradmon_loss_divergence_evidence says which). "
+              "Decided in the process at every step. Value: {{ $value }}.",
+              _diverging(t), 0),
+        Alert("GradmonLossRising", "warning", "The loss is rising above its best",
+              f"The loss trend (mean of the last 20 losses) has been at least 1.5x its best for "
+              f"{{{{ $value }}}} steps ({where}) and is not back below 1.3x: the run is losing what it "
+              "learned. Not a page until the loss confirms a divergence.",
+              f"max by ({TARGET}) ({M.LOSS_RISING_STEPS.name}) > 0", 0),
         *_spike_alerts(th, t, "LossSpike", "Loss", (M.SIGNAL_LOSS,)),
         *_spike_alerts(th, t, "GradNormSpike", "Gradient norm", (M.SIGNAL_GRAD_NORM, M.SIGNAL_LOCAL_GRAD_NORM)),
-        # a layer's norm at norm_jump_ratio (10x) its own baseline, counted in the process:
-        # in unstable runs the embeddings and first blocks jump like this before the loss does
-        *_spike_alerts(th, t, "GradNormJump", "Layer gradient-norm jump", (M.SIGNAL_LAYER_GRAD_NORM,),
-                       "a layer's gradient norm at norm_jump_ratio (10 by default) times the median of its own "
-                       f"recent sampled steps or more; {M.GRAD_NORM_BASELINE_RATIO.name} shows which layer"),
+        # a layer's norm far outside its own adaptive baseline: in unstable runs the
+        # embeddings and first blocks jump like this before the loss does
+        *_spike_alerts(th, t, "GradNormJump", "Layer gradient-norm", (M.SIGNAL_LAYER_GRAD_NORM,),
+                       "a layer's gradient norm far outside its own recent spread and at least norm_jump_ratio "
+                       f"times its baseline; {M.GRAD_NORM_BASELINE_RATIO.name} shows which layer"),
         Alert("GradmonGradNormAboveBaseline", "warning", "A layer's gradient norm far above its own baseline",
               f"Gradient norm of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of its own "
               f"recent sampled steps ({where}), above {th.norm_baseline_ratio:g}x for {dur(t.norm_ratio_for)}: "
@@ -382,10 +385,11 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"and {post}",
               t.update_ratio_for),
         Alert("GradmonAdamRmsSpike", "warning", "Adam's second moment lags a gradient spike",
-              f"Adam's RMS(g/sqrt(v)) of layer {{{{ $labels.layer }}}} reached {{{{ $value | humanize }}}} in the last "
-              f"{dur(t.adam_window)} ({where}), above {th.adam_rms_spike:g} (about 1 when healthy).",
-              # readings taken in the warm-up stay out of the window after it ends
-              f"{_max_reading(M.ADAM_RMS, th, t.adam_window, f'{TARGET}, layer')} > {th.adam_rms_spike:g}",
+              f"Adam's RMS(g/sqrt(v)) of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}} at its last "
+              f"reading ({where}), above {th.adam_rms_spike:g} (about 1 when healthy).",
+              # the gauge holds each reading until the next, optimizer_every steps later: a
+              # reading between two scrapes is seen, and it warns for steps, not minutes
+              f"max by ({TARGET}, layer) ({M.ADAM_RMS.name}) > {th.adam_rms_spike:g}\nand {post}",
               0),
         Alert("GradmonFp16HeadroomLow", "warning", "A float16 tensor is near overflow",
               f"max |x| of the float16 {{{{ $labels.tensor }}}} of layer {{{{ $labels.layer }}}} is "
@@ -623,13 +627,13 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
                [(f"sum by (le) (increase({M.GRAD_GLOBAL_NORM_DISTRIBUTION.name}_bucket{{{SEL}}}[$__rate_interval]))", "{{le}}")],
                fmt="heatmap", description="From the cumulative histogram: catches a one-step spike between scrapes."),
         _row(8, "Stability", 30),
-        _panel(9, "Loss and its running minimum", "timeseries", (0, 31, 12, 8),
+        _panel(9, "Loss, its trend and the trend's best", "timeseries", (0, 31, 12, 8),
                [(f"{M.LOSS.name}{{{SEL}}}", "loss {{job}} rank {{rank}}"),
-                (f"{M.LOSS_RUNNING_MIN.name}{{{SEL}}}", "running min {{job}} rank {{rank}}"),
-                (f"{th.loss_divergence:g} * {M.LOSS_RUNNING_MIN.name}{{{SEL}}}",
-                 f"{th.loss_divergence:g}x running min {{{{job}}}} rank {{{{rank}}}}")], log=True,
-               description="A spike while the loss is above the dashed multiple of its running minimum is critical "
-                           "(GradmonLossSpikeSevere, GradmonGradNormSpikeSevere)."),
+                (f"{M.LOSS_TREND.name}{{{SEL}}}", "trend {{job}} rank {{rank}}"),
+                (f"{M.LOSS_TREND_BEST.name}{{{SEL}}}", "trend's best {{job}} rank {{rank}}"),
+                (f"2 * {M.LOSS_TREND_BEST.name}{{{SEL}}}", "2x best {{job}} rank {{rank}}")], log=True,
+               description="The trend (mean of 20 losses) at 2x its best, with evidence from before it climbed, "
+                           "is a confirmed divergence (GradmonLossDiverging), decided in the process every step."),
         _panel(10, "Spike scores", "timeseries", (12, 31, 12, 8),
                [(f"{M.SPIKE_SCORE.name}{{{SEL}}}", "{{signal}} {{job}} rank {{rank}}")],
                description="Robust score of the last scored step, in robust standard deviations above the window's "
@@ -644,6 +648,11 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
         _panel(13, "Update-to-weight ratio (largest layer)", "timeseries", (16, 39, 8, 8),
                [(f"max by (job, rank) ({M.UPDATE_TO_WEIGHT_RATIO.name}{{{SEL}}})", "{{job}} rank {{rank}}")], log=True,
                description="Around 1e-3 per step is usual for Adam; per layer on the Layers dashboard."),
+        _panel(14, "Loss rising and diverging (steps)", "timeseries", (0, 47, 24, 6),
+               [(f"{M.LOSS_RISING_STEPS.name}{{{SEL}}}", "rising {{job}} rank {{rank}}"),
+                (f"{M.LOSS_DIVERGING_STEPS.name}{{{SEL}}}", "diverging {{job}} rank {{rank}}")],
+               description="Steps the loss trend has been rising (GradmonLossRising) and steps of a confirmed "
+                           "divergence (GradmonLossDiverging); 0 when healthy."),
     ], with_layer=False)
     layers = _dashboard("gradmon-layers", "gradmon / Layers", [
         _panel(1, "Gradient norm by layer", "timeseries", (0, 0, 24, 9),

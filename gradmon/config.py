@@ -152,13 +152,19 @@ class Config:
     the 34-90 steps in which a layer's norm rises before a loss spike, and more. Restarts
     with the spike windows; kept on the publisher thread, no training-time cost."""
 
-    norm_jump_ratio: float = 10.0
-    """A sampled step where any layer's gradient norm is at least this many times its own
-    baseline (gradmon_grad_norm_baseline_ratio) counts one spike step of signal
-    ``layer_grad_norm``, in the process, so a one-step jump between two scrapes is counted.
-    10x is what the embeddings and first blocks reach in unstable runs tens of steps before
-    the loss diverges (issue 10's measurements, and the replayed recordings), where healthy
-    runs stay below about 7x after warm-up."""
+    norm_jump_ratio: float = 3.0
+    """A sampled step where any layer's gradient norm is far outside its own recent spread
+    (above ``spike_threshold`` robust deviations of its log over ``spike_window`` steps, an
+    adaptive baseline) *and* at least this many times that baseline counts one spike step
+    of signal ``layer_grad_norm``, in the process, so a one-step jump between two scrapes is
+    counted. The spread decides what is unusual for each layer; the ratio keeps a very
+    quiet layer's small wobble from counting."""
+
+    loss_floor: float = 0.1
+    """How far above its best (in the loss's own units) the loss trend must be for a
+    divergence to be confirmed, besides twice its best: a converged loss of 0.002 against a
+    best of 0.001 is noise, not a divergence. 0.1 suits a cross-entropy in nats; scale it
+    with a loss that is scaled."""
 
     update_baseline: int = 32
     """Measurements (every ``optimizer_every`` steps) of a layer's update-to-weight ratio
@@ -465,6 +471,7 @@ def _validate(cfg: Config) -> None:
     _in_range(cfg, "series_budget", 20, math.inf, "an integer of at least 20 series")
     _in_range(cfg, "spike_threshold", 1e-9, math.inf, "a positive number of robust standard deviations")
     _in_range(cfg, "norm_jump_ratio", 1.0 + 1e-9, math.inf, "a ratio above 1")
+    _in_range(cfg, "loss_floor", 0.0, math.inf, "a non-negative amount in the loss's units")
     _in_range(cfg, "spike_window", 4, math.inf, "an integer number of steps of at least 4")
     _in_range(cfg, "spike_min_steps", 4, cfg.spike_window, f"in 4..spike_window ({cfg.spike_window})")
     from .statistics import MIN_BASELINE  # the ratio is absent until that many values exist anyway

@@ -165,6 +165,28 @@ SPIKE_STEPS = _spec("spike_steps", "counter", ("signal",),
                     "Steps whose signal scored above spike_threshold and was above twice its window's median "
                     "(layer_grad_norm: a layer's norm at norm_jump_ratio times its own baseline or more); "
                     "counted in the process, so a one-step spike between two scrapes is never missed.")
+STEPS_SINCE_SPIKE = _spec("steps_since_spike", "gauge", ("signal",),
+                          "Optimizer steps since the signal's last spike step (0: the last step was one); absent "
+                          "until the signal's first spike. Counted in steps, so a rule's hold means the same thing at "
+                          "any step rate.")
+LOSS_TREND = _spec("loss_trend", "gauge", (),
+                   "Mean of the last 20 finite losses given to monitor.observe(loss=...) (absent until 20 exist).")
+LOSS_TREND_BEST = _spec("loss_trend_best", "gauge", (),
+                        "Lowest gradmon_loss_trend since attach (or since a resumed run's first step).")
+LOSS_RISING_STEPS = _spec("loss_rising_steps", "gauge", (),
+                          "Steps the loss trend has been rising: at 1.5x its best or more (and half loss_floor above it), "
+                          "until it falls below 1.3x; 0 when it is not.")
+LOSS_DIVERGING_STEPS = _spec("loss_diverging_steps", "gauge", (),
+                             "Steps of the current confirmed divergence, decided in the process at every step: the "
+                             "loss trend at 2x its best and loss_floor above it, with evidence that came before its "
+                             "climb (a spike, a slow climb, 100 diverged steps, or a non-finite loss); 0 when none.")
+LOSS_DIVERGENCES = _spec("loss_divergences", "counter", (),
+                         "Confirmed divergences entered (see gradmon_loss_diverging_steps): a divergence shorter "
+                         "than a scrape interval still counts.")
+DIVERGENCE_EVIDENCE = _spec("loss_divergence_evidence", "gauge", ("signal",),
+                            "1 for each signal whose evidence confirmed the current divergence: a spike signal that "
+                            "spiked before the loss climbed, loss_creep, loss_sustained or nonfinite_loss; absent "
+                            "while no divergence is confirmed.")
 NONFINITE_STEPS = _spec("nonfinite_steps", "counter", (),
                         "Optimizer steps in which any monitored tensor held a non-finite element.")
 STEPS = _spec("steps", "counter", (), "Optimizer steps seen since the first attach of this model name and labels in this process.")

@@ -32,6 +32,7 @@ from .grouping import group_layers
 from .history import History
 from .incidents import recorder as incidents
 from .snapshot import Aggregator, CarriedCounters, Coverage, NonFiniteIncident, Publisher, Snapshot
+from .divergence import DivergenceSettings, DivergenceWatch
 from .spikes import SpikeTracker
 
 log = logging.getLogger("gradmon")
@@ -350,7 +351,8 @@ class Monitor:
                                 spikes=SpikeTracker(S.spike_signals(statistics, self._reduced_per_layer),
                                                     cfg.spike_threshold, cfg.spike_window, cfg.spike_min_steps,
                                                     raw_below_zero=(M.SIGNAL_LOSS,),
-                                                    jumps={M.SIGNAL_LAYER_GRAD_NORM: cfg.norm_jump_ratio}),
+                                                    layers={M.SIGNAL_LAYER_GRAD_NORM: cfg.norm_jump_ratio}),
+                                divergence=DivergenceWatch(DivergenceSettings(floor=cfg.loss_floor)),
                                 windows={g.baseline: getattr(cfg, g.baseline)
                                          for st in statistics for g in st.gauges if g.baseline},
                                 history=self._history)

@@ -25,6 +25,7 @@ from .history import History
 from .incidents.recorder import BatchIds, BlackBox
 from . import statistics as S
 from .errors import ErrorLog
+from .divergence import DivergenceWatch
 from .spikes import SpikeTracker
 from .packet import GlobalStepUpdate, StepPacket
 from .statistics import LayerGauge, Section, Statistic
@@ -126,6 +127,7 @@ class Snapshot:
     learning_rates: Tuple[float, ...] = ()  # per param group of the optimizer that closed the last step
     rank_nonfinite: Tuple[Tuple[str, str, int, bool], ...] = ()  # tensor, kind, count over all layers, reduced
     worst: Tuple[Tuple[M.MetricSpec, str, float], ...] = ()  # spec, layer, its largest value over layers
+    signal_gauges: Tuple[Tuple[M.MetricSpec, str, float], ...] = ()  # spec, signal, value
 
     @property
     def global_norm(self) -> Optional[float]:
@@ -250,7 +252,7 @@ class Aggregator:
                  on_incident: Optional[Callable[[NonFiniteIncident, bool], None]] = None, amp: bool = False,
                  tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = (),
                  spikes: Optional[SpikeTracker] = None, windows: Optional[Mapping[str, int]] = None,
-                 history: Optional[History] = None) -> None:
+                 history: Optional[History] = None, divergence: Optional[DivergenceWatch] = None) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index; ``tied`` maps a recorder layer without parameters of
@@ -312,6 +314,7 @@ class Aggregator:
         self._step_loss: Optional[float] = None
         self.spikes = spikes if spikes is not None else SpikeTracker(
             S.spike_signals(self.statistics, reduced_here=True), raw_below_zero=(M.SIGNAL_LOSS,))
+        self.divergence = divergence if divergence is not None else DivergenceWatch()
 
     # -- counters that outlive a monitor ------------------------------------------
 
@@ -325,6 +328,7 @@ class Aggregator:
             "nonfinite": {(stat, names[i], k): cell[k] for stat, f in self.folded.items() if f.cells
                           for i, cell in enumerate(f.cells) for k in range(2) if cell[k]},
             "spike_steps": dict(self.spikes.spikes),
+            "divergence": self.divergence.counters(),
         }
 
     def resume(self, saved: Mapping[str, object]) -> None:
@@ -340,6 +344,7 @@ class Aggregator:
         self.hist_sum += hist_sum
         self.hist_count += hist_count
         self.spikes.resume(saved.get("spike_steps", {}))  # type: ignore[arg-type]
+        self.divergence.resume(saved.get("divergence", {}))  # type: ignore[arg-type]
         index = {name: i for i, name in enumerate(self.layer_names)}
         for (stat, name, k), count in saved["nonfinite"].items():  # type: ignore[union-attr]
             cells = self.folded[stat].cells if stat in self.folded else None
@@ -374,7 +379,10 @@ class Aggregator:
         self._fold_scalars(values, packet)
         if skipped and self.history is not None:
             self._remember(packet.global_step, skipped=True)
-        if skipped or packet.data is None:
+        if skipped:
+            return
+        if packet.data is None:
+            self.divergence.step(self._step_loss, self.spikes.this_step)
             return
         self._step_origin: Dict[str, int] = {}
         self._flags: Dict[Tuple[str, int], int] = {}
@@ -390,6 +398,7 @@ class Aggregator:
         if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
             self.detail_backward_steps += 1
             self._log_gaps_once()
+        self.divergence.step(self._step_loss, self.spikes.this_step)
 
     def _remember(self, step: int, nonfinite: bool = False, skipped: bool = False) -> None:
         """One row of the live page's history: the global norm and each layer's gradient
@@ -418,6 +427,8 @@ class Aggregator:
         if self.spikes.restarts != restarts:
             for folded in self.folded.values():
                 folded.restart()
+        if self.spikes.resumed:
+            self.divergence.restart()
         loss = self._step_loss = scalars.get(S.SCALAR_LOSS)
         if loss is not None:
             self.loss = loss
@@ -512,8 +523,7 @@ class Aggregator:
                     store[layer] = gauge.value(columns) if gauge.baseline is None else f.value(gauge, layer, columns)
             for gauge in stat.gauges:
                 if gauge.jump is not None:
-                    values = [f.gauges[gauge][layer] for layer in acc]
-                    self.spikes.count_jump(gauge.jump, max((v for v in values if v is not None), default=math.nan))
+                    self.spikes.observe_layers(gauge.jump, {layer: gauge.value(f.columns(a)) for layer, a in acc.items()})
         return bad
 
     def _observe(self, norm: float, overflow: bool) -> None:
@@ -630,8 +640,13 @@ class Aggregator:
                                     for k, kind in enumerate(M.NONFINITE_KINDS)]
         totals = {f.stat.total: f.total for f in self.folded.values()
                   if f.stat.total is not None and f.total is not None}
-        totals.update((spec, v) for spec, v in ((M.LOSS, self.loss), (M.LOSS_RUNNING_MIN, self.loss_running_min))
-                      if v is not None)
+        d = self.divergence
+        totals.update((spec, v) for spec, v in (
+            (M.LOSS, self.loss), (M.LOSS_RUNNING_MIN, self.loss_running_min), (M.LOSS_TREND, d.trend.value),
+            (M.LOSS_TREND_BEST, d.trend.best), (M.LOSS_RISING_STEPS, d.rising_steps),
+            (M.LOSS_DIVERGING_STEPS, d.diverging_steps), (M.LOSS_DIVERGENCES, d.divergences)) if v is not None)
+        signal_gauges = tuple((M.STEPS_SINCE_SPIKE, signal, float(n)) for signal, n in self.spikes.steps_since().items())
+        signal_gauges += tuple((M.DIVERGENCE_EVIDENCE, signal, 1.0) for signal in sorted(d.evidence))
         cumulative, running = [], 0
         for bound, count in zip(list(self.bounds) + [math.inf], self.bucket_counts):
             running += count
@@ -648,7 +663,8 @@ class Aggregator:
             grouped_layers=len(self.layer_group) - len(self.layer_names),
             amp_skipped_steps=self.amp_skipped_steps if self.amp else None, amp_loss_scale=self.amp_loss_scale,
             spike_scores=tuple(self.spikes.scores.items()), spike_steps=tuple(self.spikes.spikes.items()),
-            learning_rates=self.learning_rates, rank_nonfinite=tuple(rank_counts), worst=tuple(worst))
+            learning_rates=self.learning_rates, rank_nonfinite=tuple(rank_counts), worst=tuple(worst),
+            signal_gauges=signal_gauges)
 
 
 WORST_TIE = 1.25

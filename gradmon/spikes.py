@@ -24,7 +24,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
-from typing import Deque, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 MAD_TO_SIGMA = 1.4826
 """MAD times this estimates a normal distribution's standard deviation."""
@@ -100,6 +100,52 @@ class SpikeDetector:
         return Verdict(score, score > self.threshold and above)
 
 
+class LayerBaselines:
+    """A robust, adaptive baseline of each layer's value on a log scale: an exponentially
+    weighted mean of ln(value) and of its absolute deviation, over about ``window`` steps.
+
+    The spread adapts (a layer whose norm swings 3x from batch to batch needs a larger
+    jump than one that moves by 5 %), which a fixed ratio to a median cannot do. A value
+    scores against the baseline before it enters it; an outlier enters clipped to the
+    baseline's edge, so a spike lasting a few steps does not drag the baseline up behind
+    it, while a lasting change of level is followed within a window. A layer is a spike
+    at a score above ``threshold`` that is also at least ``min_ratio`` times its baseline."""
+
+    def __init__(self, window: int = 128, min_steps: int = 32, threshold: float = 6.0,
+                 min_ratio: float = 3.0) -> None:
+        self.alpha = 2.0 / (window + 1)
+        self.min_steps = min_steps
+        self.threshold = threshold
+        self.log_ratio = math.log(min_ratio)
+        self._state: Dict[int, List[float]] = {}  # layer -> [values seen, mean, mean absolute deviation]
+
+    def restart(self) -> None:
+        self._state.clear()
+
+    def update(self, layer: int, value: float) -> Optional[Verdict]:
+        if not math.isfinite(value) or value <= 0:
+            return None
+        y = math.log(value)
+        state = self._state.get(layer)
+        if state is None:
+            self._state[layer] = [1.0, y, 0.0]
+            return None
+        n, mean, dev = state
+        # the first steps average plainly: an exponential weight on one value is no baseline
+        rate = max(self.alpha, 1.0 / (n + 1))
+        scale = max(MAD_TO_SIGMA * dev, LOG_FLOOR)
+        verdict = None
+        if n >= self.min_steps:
+            score = max(0.0, (y - mean) / scale)
+            verdict = Verdict(score, score > self.threshold and y - mean >= self.log_ratio)
+        edge = 3.0 * scale
+        clipped = min(max(y, mean - edge), mean + edge) if n >= self.min_steps else y
+        state[0] = n + 1
+        state[1] = mean + rate * (clipped - mean)
+        state[2] = dev + rate * (abs(clipped - mean) - dev)
+        return verdict
+
+
 def lr_jumped(prev: float, cur: float) -> bool:
     """A learning rate that changed by more than a factor 2 in one step, or left or
     reached 0: the series' baseline moves with it. A linear warm-up from 0 changes by 2x
@@ -120,16 +166,22 @@ class SpikeTracker:
 
     def __init__(self, signals: Sequence[str], threshold: float = 6.0, window: int = 128,
                  min_steps: int = 32, raw_below_zero: Iterable[str] = (),
-                 jumps: Optional[Mapping[str, float]] = None) -> None:
-        """``jumps``: signals counted by :meth:`count_jump` against their threshold, not scored."""
+                 layers: Optional[Mapping[str, float]] = None) -> None:
+        """``layers``: signals scored per layer (:class:`LayerBaselines`), each with its
+        minimum ratio to the layer's baseline."""
         raw = frozenset(raw_below_zero)
-        self.jumps: Dict[str, float] = {s: x for s, x in (jumps or {}).items() if s in signals}
+        self.layers: Dict[str, LayerBaselines] = {
+            s: LayerBaselines(window, min_steps, threshold, ratio) for s, ratio in (layers or {}).items() if s in signals}
         self.detectors: Dict[str, SpikeDetector] = {
             s: SpikeDetector(window, min_steps, threshold, raw_below_zero=s in raw) for s in signals
-            if s not in self.jumps}
+            if s not in self.layers}
         self.scores: Dict[str, float] = {}
         self.spikes: Dict[str, int] = {s: 0 for s in signals}
+        self.last: Dict[str, int] = {}  # signal -> the step count (``steps``) of its last spike
+        self.this_step: Set[str] = set()  # the signals that spiked in the current step
+        self.steps = 0  # calls of new_step: steps, counted the same way for every signal
         self.restarts = 0
+        self.resumed = False  # whether the current step restarted the windows as a resumed run
         self._window = window
         self._step: Optional[int] = None
         self._lrs: Tuple[Optional[float], ...] = ()
@@ -138,12 +190,17 @@ class SpikeTracker:
         self.restarts += 1
         for d in self.detectors.values():
             d.restart()
+        for layers in self.layers.values():
+            layers.restart()
 
     def new_step(self, global_step: int, learning_rates: Sequence[Optional[float]] = ()) -> None:
         """``learning_rates``: per parameter group, None where unknown; () when the step
         says nothing about them (a skipped or a manual step): the last known ones stay."""
         prev, self._step = self._step, global_step
-        resumed = prev is not None and not 0 <= global_step - prev <= self._window
+        self.steps += 1
+        self.this_step = set()
+        self.resumed = prev is not None and not 0 <= global_step - prev <= self._window
+        resumed = self.resumed
         jumped = False
         if learning_rates:
             lrs, self._lrs = self._lrs, tuple(learning_rates)
@@ -163,16 +220,29 @@ class SpikeTracker:
         verdict = detector.update(value)
         if verdict is not None:
             self.scores[signal] = verdict.score
-            self.spikes[signal] += verdict.spike
+            self._count(signal, verdict.spike)
 
-    def count_jump(self, signal: str, value: float) -> None:
-        """One step's largest value of a jump signal (a ratio to its own baseline): a
-        spike step when it reaches the signal's threshold."""
-        threshold = self.jumps.get(signal)
-        if threshold is None or not math.isfinite(value):
+    def observe_layers(self, signal: str, values: Mapping[int, Optional[float]]) -> None:
+        """One step's value of each layer of a layer signal (a gradient norm per layer):
+        a spike step when any layer is a spike against its own baseline."""
+        layers = self.layers.get(signal)
+        if layers is None:
             return
-        self.scores[signal] = value
-        self.spikes[signal] += value >= threshold
+        verdicts = [layers.update(layer, v) for layer, v in values.items() if v is not None]
+        scored = [v for v in verdicts if v is not None]
+        if scored:
+            self.scores[signal] = max(v.score for v in scored)
+            self._count(signal, any(v.spike for v in scored))
+
+    def _count(self, signal: str, spike: bool) -> None:
+        if spike:
+            self.spikes[signal] += 1
+            self.last[signal] = self.steps
+            self.this_step.add(signal)
+
+    def steps_since(self) -> Dict[str, int]:
+        """Steps since each signal's last spike step (0: this step); signals that never spiked are absent."""
+        return {signal: self.steps - at for signal, at in self.last.items()}
 
     def resume(self, spikes: Mapping[str, int]) -> None:
         """Continue an earlier monitor's counts (same model name and labels)."""

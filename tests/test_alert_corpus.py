@@ -228,6 +228,39 @@ def test_the_timeline_agrees_with_promtools_own_first_firing_times(name):
     assert mine == {(f.alertname, f.severity): (f.first_s, f.onsets) for f in fired}
 
 
+# -- the shipped rules on tune runs (issue 23: the tune split's criteria may be a plain test) --
+
+TUNE_CASES = {  # one run of each kind the criteria name, and the hardest tune negatives
+    "lm-healthy-warmup-s0": "no page",
+    "lm-lr-high-nowarmup-s0": "paged in time, warned early",
+    "cnn-poisoned-batch-s0": "warned, not paged",
+    "lm-poisoned-batch-s0": "warned, not paged",
+}
+
+
+@pytest.fixture(scope="module")
+def tune_scores():
+    labels = json.loads(files.LABELS.read_text())["labels"]
+    assert all(RUNS[name]["split"] == "tune" for name in TUNE_CASES)
+    return {name: score.score_run(name, labels[name], "tune", (10.0,), binary("promtool"))[0] for name in TUNE_CASES}
+
+
+def test_a_healthy_tune_run_never_pages_at_10_s_per_step(tune_scores):
+    s = tune_scores["lm-healthy-warmup-s0"]
+    assert s.kind == "healthy" and not s.edges("critical")
+
+
+def test_a_diverging_tune_run_pages_in_time_after_an_early_warning(tune_scores):
+    s = tune_scores["lm-lr-high-nowarmup-s0"]
+    assert s.paged_in_time and s.early_warning_lead is not None
+
+
+@pytest.mark.parametrize("name", ["cnn-poisoned-batch-s0", "lm-poisoned-batch-s0"])
+def test_a_poisoned_batch_warns_and_does_not_page(tune_scores, name):
+    s = tune_scores[name]
+    assert s.kind == "recovering-spike" and s.spike_warned and not s.edges("critical")
+
+
 # -- the metrics -------------------------------------------------------------------------------
 
 

@@ -85,7 +85,8 @@ def test_overview_has_a_stability_row_with_loss_spikes_learning_rate_and_update_
     below = panels[row + 1:]
     assert all(p["gridPos"]["y"] > panels[row]["gridPos"]["y"] for p in below)
     exprs = _exprs(below)
-    for spec in (M.LOSS, M.LOSS_RUNNING_MIN, M.SPIKE_SCORE, M.LEARNING_RATE, M.UPDATE_TO_WEIGHT_RATIO):
+    for spec in (M.LOSS, M.LOSS_TREND, M.LOSS_TREND_BEST, M.LOSS_RISING_STEPS, M.LOSS_DIVERGING_STEPS,
+                 M.SPIKE_SCORE, M.LEARNING_RATE, M.UPDATE_TO_WEIGHT_RATIO):
         assert spec.name + "{" in exprs, spec.name
     # a counter is drawn as its increase, never as its raw cumulative value
     assert f"increase({M.SPIKE_STEPS.name}_total{{" in exprs

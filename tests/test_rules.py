@@ -178,6 +178,14 @@ def layer(name: str, values: str, layer_name: str = "embed", **labels: str) -> d
     return series(name, values, rank="0", layer=layer_name, **labels)
 
 
+def since(values: str, signal: str = "loss", rank: str = "0") -> dict:
+    return series("gradmon_steps_since_spike", values, rank=rank, signal=signal)
+
+
+def evidence(values: str, signal: str) -> dict:
+    return series("gradmon_loss_divergence_evidence", values, rank="0", signal=signal)
+
+
 def lr(values: str, group: str = "0") -> dict:
     return series("gradmon_learning_rate", values, rank="0", group=group)
 
@@ -189,89 +197,62 @@ LR_WARMUP = "0+0.00005x20 0.001x40"
 LR_RESTART = "0.001 0.0009 0.0007 0.0005 0.0003 0.0001 0 0 0.001 0.0009 0.0007 0.0005 0.0003 0.0001 0 0.001x15"
 
 CASES.update({
-    # -- spikes: the in-process counters, so a one-step spike between two scrapes still counts
-    "a_single_loss_spike_counted_between_two_scrapes_is_a_warning": (
-        [steps(), spikes("0x10 1x20")],
-        [alert("GradmonLossSpike", "12m", ("warning", target(rank="0", signal="loss"))),
-         alert("GradmonLossSpikeSevere", "12m")]),
-    "the_loss_spike_warning_clears_after_its_window": (
-        [steps(), spikes("0x10 1x40")],
-        [alert("GradmonLossSpike", "40m")]),
-    "three_loss_spikes_in_the_window_are_critical": (
-        [steps(), spikes("0x10 1x10 2x10 3x10")],
-        [alert("GradmonLossSpikeSevere", "35m", ("critical", target(rank="0", signal="loss")))]),
-    "a_loss_spike_with_the_loss_above_twice_its_running_minimum_is_critical": (
-        [steps(), spikes("0x10 1x20"), *loss("0.9x10 2.5x20", "0.8x30")],
-        [alert("GradmonLossSpikeSevere", "12m"),  # the loss has not stayed up for 2m yet
-         alert("GradmonLossSpikeSevere", "14m", ("critical", target(rank="0", signal="loss")))]),
-    "one_noisy_loss_reading_above_twice_the_running_minimum_leaves_a_spike_a_warning": (
-        # small batches: the last step's loss is often above twice the lowest batch loss seen
-        [steps(), spikes("0x10 1x20"), *loss("0.9 1.1 0.8 1.2 1.0 " * 2 + "0.9 2.5 1.0 2.2 1.1 0.9x15", "0.8x30")],
-        [alert("GradmonLossSpikeSevere", "11m"), alert("GradmonLossSpikeSevere", "13m"),
-         alert("GradmonLossSpike", "13m", ("warning", target(rank="0", signal="loss")))]),
-    "no_spike_alert_for_loss_spikes_in_the_warm_up": (
-        # 10 steps a minute: past the 100-step warm-up at 10m; the spikes at steps 30 and 60
-        [series("gradmon_steps_total", "0+10x60", rank="0"), spikes("0x3 1x3 2x60"),
-         *loss("3 2.8 2.5 9 2.2 2 7 1.9 1.8 1.7 1.6x50", "3 2.8 2.5 2.5 2.2 2 2 1.9 1.8 1.7 1.6x50")],
-        [alert("GradmonLossSpike", "5m"), alert("GradmonLossSpike", "12m"),
-         alert("GradmonLossSpikeSevere", "12m"), alert("GradmonLossSpikeSevere", "40m")]),
-    "no_spike_alert_for_a_noisy_loss_bumped_by_an_lr_restart_without_spike_steps": (
-        # the restart's loss bump is 2.5x the running minimum, but the windows restarted with
-        # the learning rate's jump and scored no spike: the counter stays flat; and the bump
-        # is back under twice the minimum within 2m: not a divergence either
-        [steps(), spikes("0x60"), *loss("1.1 0.9 1.2 0.8 1.0 0.95 " * 3 + "2.5 2.1 1.6 1.2 1.0x20", "0.8x60")],
-        [alert("GradmonLossSpike", "20m"), alert("GradmonLossSpikeSevere", "20m"),
-         *(alert("GradmonLossDiverging", f"{m}m") for m in range(17, 24))]),
-    # -- divergence: the loss itself, with no spike needed and no warm-up exemption
-    "a_loss_that_stays_above_twice_its_running_minimum_after_a_gradient_spike_pages": (
-        # the spike at 11m, the loss up from 21m: every scrape of the 2m window above from 23m
-        [steps(), spikes("0x10 1x30", "grad_norm"), *loss("1.0x20 2.5x20", "0.9x40")],
-        [alert("GradmonLossDiverging", "22m"),
-         alert("GradmonLossDiverging", "23m", ("critical", target(rank="0")))]),
-    "a_loss_that_stays_above_twice_its_running_minimum_after_an_adam_rms_spike_pages": (
-        [steps(), layer("gradmon_adam_rms", "1x10 5 1x29", "blocks.0.attn"), *loss("1.0x30 2.5x10", "0.9x40")],
-        [alert("GradmonLossDiverging", "33m", ("critical", target(rank="0")))]),
-    "a_noisy_loss_far_above_its_luckiest_batch_does_not_page_without_an_instability_signal": (
-        # small batches: the loss sits at 2-4x the lowest batch loss seen, at every scrape
-        [steps(), spikes("0x40", "grad_norm"), *loss("0.25 0.3 0.22 0.35 0.28 " * 8, "0.07x40")],
-        [alert("GradmonLossDiverging", f"{m}m") for m in (5, 15, 25, 35)]),
-    "an_adam_rms_spike_in_the_warm_up_does_not_make_a_later_loss_climb_a_page": (
-        # 10 steps a minute, warm-up over at 10m; the Adam reading at 5m is in the warm-up
-        [series("gradmon_steps_total", "0+10x40", rank="0"), layer("gradmon_adam_rms", "1x4 5 1x35", "blocks.0.attn"),
-         *loss("1.0x20 2.5x20", "0.9x40")],
-        [alert("GradmonLossDiverging", f"{m}m") for m in (25, 30, 35)]),
-    "a_loss_above_twice_its_running_minimum_at_every_other_scrape_does_not_page": (
-        # small noisy batches: half the readings are above twice the lowest batch loss seen
-        [steps(), spikes("0x40"), *loss("2.5 1.0 " * 20, "0.9x40")],
-        [alert("GradmonLossDiverging", f"{m}m") for m in (5, 15, 25, 35)]),
-    "a_single_grad_norm_spike_is_a_warning": (
-        [steps(), spikes("0x10 1x20", "grad_norm")],
-        [alert("GradmonGradNormSpike", "12m", ("warning", target(rank="0", signal="grad_norm"))),
-         alert("GradmonGradNormSpikeSevere", "12m")]),
-    "a_layer_norm_jump_counted_between_two_scrapes_is_a_warning": (
-        [steps(), spikes("0x10 1x20", "layer_grad_norm")],
-        [alert("GradmonGradNormJump", "12m", ("warning", target(rank="0", signal="layer_grad_norm"))),
-         alert("GradmonGradNormJumpSevere", "12m")]),
-    "the_layer_norm_jump_warning_clears_after_its_window": (
-        [steps(), spikes("0x10 1x40", "layer_grad_norm")],
-        [alert("GradmonGradNormJump", "40m")]),
-    "repeated_layer_norm_jumps_are_critical": (
-        [steps(), spikes("0x10 1 2 3x20", "layer_grad_norm")],
-        [alert("GradmonGradNormJumpSevere", "14m", ("critical", target(rank="0", signal="layer_grad_norm"))),
-         # still firing in Prometheus; Alertmanager's inhibition silences it
-         alert("GradmonGradNormJump", "14m", ("warning", target(rank="0", signal="layer_grad_norm")))]),
-    "a_loss_that_stays_above_twice_its_running_minimum_after_a_layer_norm_jump_pages": (
-        [steps(), spikes("0x10 1x30", "layer_grad_norm"), *loss("1.0x20 2.5x20", "0.9x40")],
-        [alert("GradmonLossDiverging", "23m", ("critical", target(rank="0")))]),
-    "repeated_spikes_of_one_ranks_own_gradient_are_critical_naming_that_rank": (
-        [steps("0"), steps("1"), spikes("0x40", "local_grad_norm", "0"), spikes("0x10 1 1 2 3x30", "local_grad_norm", "1")],
-        [alert("GradmonGradNormSpikeSevere", "20m", ("critical", target(rank="1", signal="local_grad_norm")))]),
-    "a_grad_norm_spike_with_the_loss_above_twice_its_running_minimum_is_critical": (
-        [steps(), spikes("0x10 1x20", "grad_norm"), *loss("1x10 2.5x20", "0.9x30")],
-        [alert("GradmonGradNormSpikeSevere", "14m", ("critical", target(rank="0", signal="grad_norm")))]),
-    "no_grad_norm_spike_alert_in_the_warm_up": (
-        [series("gradmon_steps_total", "0+10x60", rank="0"), spikes("0 1 2 3 4x60", "grad_norm")],
-        [alert("GradmonGradNormSpike", "15m"), alert("GradmonGradNormSpikeSevere", "15m")]),
+    # -- spikes, decided in the process: a warning while recent (in steps), a spike no scrape saw still counts
+    "a_loss_spike_warns_while_it_is_recent_in_steps": (
+        # 100 steps a minute, a scrape a minute: 0 steps since the spike, then 100, 200
+        [steps(), since("_x10 0 100 200x20")],
+        [alert("GradmonLossSpike", "10m", ("warning", target(rank="0", signal="loss"))),
+         alert("GradmonLossSpike", "11m"), alert("GradmonLossSpikeSevere", "10m")]),
+    "a_loss_spike_between_two_scrapes_warns_once_though_past_its_hold": (
+        # 100 steps a minute: the spike 80 steps before the scrape at 11m came after the one at 10m
+        [steps(), since("200x10 80 180 280x10")],
+        [alert("GradmonLossSpike", "10m"),
+         alert("GradmonLossSpike", "11m", ("warning", target(rank="0", signal="loss"))),
+         alert("GradmonLossSpike", "12m")]),
+    "no_spike_warning_in_the_warm_up": (
+        # 10 steps a minute: past the 100-step warm-up at 10m
+        [series("gradmon_steps_total", "0+10x60", rank="0"), since("_x3 0+10x60")],
+        [alert("GradmonLossSpike", "4m"), alert("GradmonLossSpike", "8m"), alert("GradmonLossSpike", "12m")]),
+    "a_grad_norm_spike_is_a_warning_naming_the_signal": (
+        [steps(), since("_x10 0 20 200x20", "grad_norm")],
+        [alert("GradmonGradNormSpike", "11m", ("warning", target(rank="0", signal="grad_norm"))),
+         alert("GradmonGradNormSpike", "14m"), alert("GradmonGradNormSpikeSevere", "11m")]),
+    "one_ranks_own_gradient_spike_warns_naming_that_rank": (
+        [steps("0"), steps("1"), since("200x20", "local_grad_norm", "0"), since("_x10 0 200x10", "local_grad_norm", "1")],
+        [alert("GradmonGradNormSpike", "10m", ("warning", target(rank="1", signal="local_grad_norm")))]),
+    "a_layer_norm_spike_is_a_warning": (
+        [steps(), since("_x10 0 20 200x20", "layer_grad_norm")],
+        [alert("GradmonGradNormJump", "11m", ("warning", target(rank="0", signal="layer_grad_norm"))),
+         alert("GradmonGradNormJump", "14m"), alert("GradmonGradNormJumpSevere", "11m")]),
+    # -- the page: a divergence confirmed in the process, named by its evidence
+    "a_confirmed_divergence_pages_while_it_lasts": (
+        [steps(), series("gradmon_loss_diverging_steps", "0x10 1+1x10 0x10", rank="0")],
+        [alert("GradmonLossDiverging", "9m"),
+         alert("GradmonLossDiverging", "12m", ("critical", target(rank="0"))),
+         alert("GradmonLossDiverging", "25m")]),
+    "a_divergence_entered_and_left_between_two_scrapes_pages": (
+        [steps(), series("gradmon_loss_diverging_steps", "0x30", rank="0"),
+         series("gradmon_loss_divergences_total", "0x10 1x20", rank="0")],
+        [alert("GradmonLossDiverging", "10m"),
+         alert("GradmonLossDiverging", "11m", ("critical", target(rank="0"))),
+         alert("GradmonLossDiverging", "12m")]),
+    "a_divergence_after_a_loss_spike_is_loss_spike_severe": (
+        [steps(), evidence("_x10 1x10", "loss"), evidence("_x10 1x10", "loss_creep")],
+        [alert("GradmonLossSpikeSevere", "12m", ("critical", target(rank="0", signal="loss"))),
+         alert("GradmonGradNormSpikeSevere", "12m"), alert("GradmonGradNormJumpSevere", "12m")]),
+    "a_divergence_after_a_gradient_spike_is_grad_norm_spike_severe": (
+        [steps(), evidence("_x10 1x10", "grad_norm")],
+        [alert("GradmonGradNormSpikeSevere", "12m", ("critical", target(rank="0", signal="grad_norm"))),
+         alert("GradmonLossSpikeSevere", "12m"), alert("GradmonGradNormSpikeSevere", "5m")]),
+    "a_divergence_after_a_layer_norm_spike_is_grad_norm_jump_severe": (
+        [steps(), evidence("_x10 1x10", "layer_grad_norm")],
+        [alert("GradmonGradNormJumpSevere", "12m", ("critical", target(rank="0", signal="layer_grad_norm"))),
+         alert("GradmonGradNormJumpSevere", "5m")]),
+    "a_rising_loss_warns_with_its_steps": (
+        [steps(), series("gradmon_loss_rising_steps", "0x10 5+5x10 0x10", rank="0")],
+        [alert("GradmonLossRising", "9m"),
+         alert("GradmonLossRising", "12m", ("warning", target(rank="0"))),
+         alert("GradmonLossRising", "25m")]),
     # -- per-layer baselines, counted in steps in the process
     "a_layer_norm_sustained_at_4x_its_own_median_warns_naming_the_layer": (
         [steps(), layer("gradmon_grad_norm_baseline_ratio", NOISE * 2 + "4 6 10 12x5")],
@@ -298,14 +279,14 @@ CASES.update({
         # smaller predecessors); the restart's jump empties the baseline: absent, then ~1
         [steps(), layer("gradmon_update_ratio_baseline_ratio", "2.2 2 1.8 1.6 1.5 1.4 1.3 1.2 1.1x10 _x3 1.2 1 1.1x20")],
         [alert("GradmonUpdateRatioAboveBaseline", "20m"), alert("GradmonUpdateRatioAboveBaseline", "35m")]),
-    "an_adam_rms_spike_read_once_warns_for_its_window": (
-        [steps(), layer("gradmon_adam_rms", "1x10 4.2 1x10", "blocks.0.mlp")],
-        [alert("GradmonAdamRmsSpike", "14m", ("warning", target(rank="0", layer="blocks.0.mlp")))]),
-    "adam_rms_read_in_the_warm_up_does_not_warn_after_it_ends": (
-        # 10 steps a minute: the warm-up (100 steps) ends at 10m; the 4.2 read at 8m is
-        # still inside the 5m window at 11m, but it was taken in the warm-up
+    "an_adam_rms_reading_above_3_warns_until_the_next_reading": (
+        [steps(), layer("gradmon_adam_rms", "1x10 4.2 4.2 1x10", "blocks.0.mlp")],
+        [alert("GradmonAdamRmsSpike", "12m", ("warning", target(rank="0", layer="blocks.0.mlp"))),
+         alert("GradmonAdamRmsSpike", "13m")]),
+    "no_adam_rms_warning_in_the_warm_up": (
+        # 10 steps a minute: the warm-up (100 steps) ends at 10m
         [series("gradmon_steps_total", "0+10x30", rank="0"), layer("gradmon_adam_rms", "1x7 4.2 1x22", "blocks.0.mlp")],
-        [alert("GradmonAdamRmsSpike", f"{m}m") for m in (9, 11, 12)]),
+        [alert("GradmonAdamRmsSpike", f"{m}m") for m in (7, 11)]),
     "no_adam_rms_alert_for_ordinary_values": (
         [steps(), layer("gradmon_adam_rms", "0.9 1.1 1.4 0.7 2.2 1 " * 5, "blocks.0.mlp")],
         [alert("GradmonAdamRmsSpike", "25m")]),
@@ -400,11 +381,12 @@ READABLE = {
         "GradmonVanishingGradients", "20m", target(rank="0", layer="blocks.0.fc"),
         f"Gradient norm of layer blocks.0.fc is 1.235n ({WHERE}): below 1e-08 or below 0.0001x its own median, "
         "for 10m."),
-    "spike_count": (  # increase() extrapolates one spike to 1.07 here: a count is printed whole
-        [steps(), spikes("0x10 1x20")],
-        "GradmonLossSpike", "12m", target(rank="0", signal="loss"),
-        f"1 loss spike steps ({WHERE}) in the last 15m: a value above twice its window's median and far outside "
-        "its noise."),
+    "rising_steps": (
+        [steps(), series("gradmon_loss_rising_steps", "0x10 40+40x10", rank="0")],
+        "GradmonLossRising", "12m", target(rank="0"),
+        f"The loss trend (mean of the last 20 losses) has been at least 1.5x its best for 80 steps ({WHERE}) "
+        "and is not back below 1.3x: the run is losing what it learned. Not a page until the loss confirms a "
+        "divergence."),
 }
 
 

@@ -39,9 +39,9 @@ class Run:
         self.norms: List[float] = []
         self.updates: List[float] = []
 
-    def step(self, scale: float = 1.0) -> None:
+    def step(self, scale: float = 1.0, loss_scale: float = 1.0) -> None:
         params = list(self.model[0].parameters())
-        self.model(torch.randn(16, 8) * scale).square().mean().backward()
+        (self.model(torch.randn(16, 8) * scale).square().mean() * loss_scale).backward()
         self.norms.append(layer_norm(p.grad for p in params))
         before = [p.detach().clone() for p in params]
         self.opt.step()
@@ -118,25 +118,39 @@ def test_a_baseline_shorter_than_the_values_a_ratio_needs_is_refused(attach, opt
         attach(nn.Linear(2, 2), **{option: S.MIN_BASELINE - 1})
 
 
-def test_a_layer_jumping_to_norm_jump_ratio_times_its_baseline_counts_a_spike_step_between_scrapes(attach):
-    """The jump is counted in the process at the step it happens: a scrape that comes
-    after the next, ordinary step (when the gauge is back near 1) still sees it."""
-    run, window = Run(), 10
-    mon = attach(run.model, norm_baseline=window, norm_jump_ratio=3.0)
+def test_a_layer_jumping_far_outside_its_own_spread_counts_a_spike_step_between_scrapes(attach):
+    """The jump is scored against the layer's own adaptive baseline and counted in the
+    process at the step it happens: a scrape that comes after the next, ordinary step (when
+    the gauge is back near 1) still sees it, and the steps since it say when it was."""
+    run, warm = Run(), 40
+    mon = attach(run.model, norm_baseline=10, spike_min_steps=32)
 
     def jumps() -> float:
         return value(fresh(mon), M.exposed_names(M.SPIKE_STEPS)[0], signal=M.SIGNAL_LAYER_GRAD_NORM)
 
-    for _ in range(window + 4):
+    for _ in range(warm):
         run.step()
     assert jumps() == 0
-    run.step(scale=1.6)  # a bump below the threshold: the ratio says so, no spike step
-    assert 1.2 < ratio(mon, M.GRAD_NORM_BASELINE_RATIO) < 3.0 and jumps() == 0
-    run.step(scale=40.0)
-    assert expected(run.norms, window) > 3.0
+    run.step(loss_scale=1.6)  # a bump within a few times the layers' own spread: no spike step
+    assert jumps() == 0
+    weights = {k: v.clone() for k, v in run.model.state_dict().items()}
+    run.step(loss_scale=1000.0)  # every gradient exactly 1000x what this batch gives
+    assert expected(run.norms, 10) > 3.0
+    assert value(fresh(mon), M.SPIKE_SCORE.name, signal=M.SIGNAL_LAYER_GRAD_NORM) > 6.0
+    run.model.load_state_dict(weights)  # undo the huge update: the next step is an ordinary one
     run.step()  # the next step, before any scrape: the gauge has settled, the count stays
     assert ratio(mon, M.GRAD_NORM_BASELINE_RATIO) < 3.0
     assert jumps() == 1
-    score = value(fresh(mon), M.SPIKE_SCORE.name, signal=M.SIGNAL_LAYER_GRAD_NORM)
-    # the last step's largest ratio: layer 0's or layer 2's, whichever is larger
-    assert score >= ratio(mon, M.GRAD_NORM_BASELINE_RATIO) * (1 - 1e-6)
+    assert value(fresh(mon), M.STEPS_SINCE_SPIKE.name, signal=M.SIGNAL_LAYER_GRAD_NORM) == 1
+
+
+def test_a_layer_jump_below_norm_jump_ratio_is_no_spike_however_quiet_the_layer(attach):
+    """The ratio floor: a very quiet layer's 2x move is far outside its spread, yet below
+    norm_jump_ratio it counts nothing."""
+    run = Run()
+    mon = attach(run.model, norm_jump_ratio=50.0, spike_min_steps=32)
+    for _ in range(40):
+        run.step()
+    run.step(loss_scale=20.0)
+    assert 3.0 < expected(run.norms, 10) < 50.0
+    assert value(fresh(mon), M.exposed_names(M.SPIKE_STEPS)[0], signal=M.SIGNAL_LAYER_GRAD_NORM) == 0

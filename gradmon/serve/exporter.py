@@ -133,6 +133,8 @@ def add_view(fam: _Families, view: ExportView) -> None:
     for spec, pairs in ((M.SPIKE_SCORE, s.spike_scores), (M.SPIKE_STEPS, s.spike_steps)):
         for signal, value in pairs:
             fam.add(spec, _with(base, signal=signal), value)
+    for spec, signal, value in s.signal_gauges:
+        fam.add(spec, _with(base, signal=signal), value)
     for tensor, layer, step in s.nonfinite_origin:
         fam.add(M.NONFINITE_ORIGIN, _with(base, tensor=tensor, layer=layer), step)
     if view.reduced_per_layer:

@@ -1,0 +1,176 @@
+"""Issue 23: the page is decided in the process, per step, and needs the loss to confirm it.
+
+The pair of cases the issue asks for: the same gradient trace (one layer's norm at 10-11x its
+baseline for 9 steps) under two loss traces. While the loss drops (a learning phase) the jump is
+a warning and nothing pages; when the loss climbs after it, the divergence pages. The detector
+is gradmon's own (``SpikeTracker`` scoring the layer, ``DivergenceWatch`` deciding), fed one
+step at a time as the publisher feeds it."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import List, Optional, Tuple
+
+import pytest
+
+from gradmon import metrics as M
+from gradmon.divergence import (SIGNAL_LOSS_CREEP, SIGNAL_LOSS_SUSTAINED, SIGNAL_NONFINITE_LOSS,
+                                DivergenceSettings, DivergenceWatch)
+from gradmon.spikes import SpikeTracker
+
+LAYER = M.SIGNAL_LAYER_GRAD_NORM
+JUMP_AT, JUMP_STEPS = 300, 9
+
+
+def gradient_trace(steps: int, seed: int = 0) -> List[float]:
+    """One layer's norm: noise around 1, then 10-11x for 9 steps from JUMP_AT."""
+    rng = random.Random(seed)
+    out = [math.exp(rng.gauss(0.0, 0.15)) for _ in range(steps)]
+    for i in range(JUMP_AT, JUMP_AT + JUMP_STEPS):
+        out[i] = 10.0 + rng.random()
+    return out
+
+
+def noisy(level: float, rng: random.Random) -> float:
+    return level * math.exp(rng.gauss(0.0, 0.1))
+
+
+def learning_loss(steps: int) -> List[float]:
+    """3.0 falling to 1.0, then a sudden drop to 0.3 while the layer jumps (a learning phase)."""
+    rng = random.Random(1)
+    return [noisy(1.0 + 2.0 * math.exp(-i / 60) if i < JUMP_AT else 0.3 + 0.7 * math.exp(-(i - JUMP_AT) / 5), rng)
+            for i in range(steps)]
+
+
+def diverging_loss(steps: int) -> List[float]:
+    """The same descent to 1.0, then a climb to 3.0 over the 60 steps after the jump."""
+    rng = random.Random(1)
+    base = [1.0 + 2.0 * math.exp(-i / 60) for i in range(JUMP_AT + JUMP_STEPS)]
+    climb = [min(3.0, 1.0 + 2.0 * (i + 1) / 60) for i in range(steps - len(base))]
+    return [noisy(x, rng) for x in base + climb]
+
+
+def run(losses: List[float], norms: List[Optional[float]],
+        settings: DivergenceSettings = DivergenceSettings()) -> Tuple[List[int], List[int], DivergenceWatch]:
+    """Per step: the steps since the layer's last spike (-1: none yet) and the divergence state."""
+    spikes = SpikeTracker((M.SIGNAL_LOSS, LAYER), layers={LAYER: 3.0})
+    watch = DivergenceWatch(settings)
+    since, diverging = [], []
+    for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
+        spikes.new_step(step)
+        spikes.observe(M.SIGNAL_LOSS, loss)
+        if norm is not None:
+            spikes.observe_layers(LAYER, {0: norm})
+        watch.step(loss, spikes.this_step)
+        since.append(spikes.steps_since().get(LAYER, -1))
+        diverging.append(watch.diverging_steps)
+    return since, diverging, watch
+
+
+def test_a_layer_at_10x_for_9_steps_while_the_loss_drops_warns_and_never_pages():
+    steps = 600
+    since, diverging, watch = run(learning_loss(steps), gradient_trace(steps))
+    assert 0 in since[JUMP_AT:JUMP_AT + JUMP_STEPS]  # the jump is seen: a warning
+    assert max(since[:JUMP_AT]) == -1  # and nothing before it
+    assert not any(diverging) and watch.divergences == 0
+
+
+def test_the_same_gradient_trace_followed_by_a_climbing_loss_pages_with_the_jump_as_evidence():
+    steps = 600
+    since, diverging, watch = run(diverging_loss(steps), gradient_trace(steps))
+    first = next(i for i, d in enumerate(diverging) if d)
+    assert JUMP_AT + JUMP_STEPS < first < JUMP_AT + 60  # when the loss confirms it, not at the jump
+    assert LAYER in watch.evidence and watch.divergences == 1
+    assert all(diverging[first:])  # held while the loss stays up
+
+
+def test_a_bad_batch_jumping_with_its_gradient_warns_and_does_not_page():
+    """A healthy trend, then 8 steps whose loss and gradient jump together, then back."""
+    rng = random.Random(2)
+    losses = [noisy(0.4, rng) for _ in range(400)]
+    norms: List[Optional[float]] = [math.exp(rng.gauss(0.0, 0.15)) for _ in range(400)]
+    for i in range(300, 308):
+        losses[i], norms[i] = 20.0, 15.0
+    since, diverging, watch = run(losses, norms)
+    assert since[300] == 0
+    assert not any(diverging) and watch.divergences == 0
+
+
+def test_a_loss_that_jumps_like_a_bad_batch_and_stays_up_pages_once_sustained():
+    """A 20-fold jump in one step (a bad batch's chance-level loss) that never comes back."""
+    rng = random.Random(3)
+    losses = [noisy(0.4, rng) for _ in range(300)] + [noisy(8.0, rng) for _ in range(200)]
+    settings = DivergenceSettings()
+    _, diverging, watch = run(losses, [None] * len(losses), settings)
+    first = next(i for i, d in enumerate(diverging) if d)
+    # the trend is at 2x at the jump or the step after; then sustain steps of it
+    assert 300 + settings.sustain - 1 <= first <= 300 + settings.sustain
+    assert watch.evidence == {SIGNAL_LOSS_SUSTAINED}
+
+
+def test_a_loss_that_triples_and_stays_pages_as_a_climb_within_steps():
+    """The trend of 20 losses takes 16/(k-1) steps from 1.2x to 2x its best after a k-fold
+    step: a 3-fold rise takes 8, longer than ``creep``: the model, not a batch."""
+    losses = [1.0] * 100 + [3.0] * 50
+    _, diverging, watch = run(losses, [None] * len(losses))
+    first = next(i for i, d in enumerate(diverging) if d)
+    assert first == 100 + 10 - 1  # the step the trend reaches 2x: 10 losses of 3 among 20
+    assert watch.evidence == {SIGNAL_LOSS_CREEP}
+
+
+def test_a_loss_creeping_up_over_many_steps_pages_without_any_spike():
+    losses = [1.0] * 100 + [1.0 + i / 50 for i in range(100)] + [3.0] * 50
+    _, diverging, watch = run(losses, [None] * len(losses))
+    assert any(diverging) and SIGNAL_LOSS_CREEP in watch.evidence
+
+
+def test_a_doubling_on_the_noise_floor_is_no_divergence():
+    """0.002 against a best of 0.001: twice, but not loss_floor above it."""
+    losses = [0.001] * 100 + [0.0025] * 200
+    _, diverging, watch = run(losses, [None] * len(losses))
+    assert not any(diverging)
+    assert watch.rising_steps == 0  # nor a rising warning: half the floor is not reached either
+
+
+def test_a_nonfinite_loss_pages_at_its_step():
+    losses = [1.0] * 50 + [math.nan]
+    _, diverging, watch = run(losses, [None] * len(losses))
+    assert diverging[50] == 1 and watch.evidence == {SIGNAL_NONFINITE_LOSS}
+
+
+def test_the_page_holds_until_the_trend_settles_and_counts_one_divergence():
+    losses = [1.0] * 100 + [1.0 + i / 20 for i in range(40)] + [3.0] * 30 + [1.0] * 60
+    _, diverging, watch = run(losses, [None] * len(losses))
+    on = [i for i, d in enumerate(diverging) if d]
+    assert on and on == list(range(on[0], on[-1] + 1))  # one unbroken stretch
+    assert diverging[-1] == 0 and watch.divergences == 1
+
+
+def test_a_rising_trend_warns_with_hysteresis():
+    losses = [1.0] * 100 + [1.6] * 40 + [1.4] * 40 + [1.1] * 40
+    watch = DivergenceWatch()
+    rising = []
+    for loss in losses:
+        watch.step(loss)
+        rising.append(watch.rising_steps)
+    assert rising[99] == 0
+    assert rising[139] > 0 and rising[179] > rising[139]  # 1.4x: below 1.5, still above 1.3
+    assert rising[-1] == 0
+
+
+def test_a_resumed_run_forgets_the_old_best():
+    watch = DivergenceWatch()
+    for _ in range(50):
+        watch.step(0.1)
+    watch.restart()
+    for _ in range(50):
+        watch.step(1.0)  # a new run's loss: no divergence from the old one's best
+    assert watch.trend.best == pytest.approx(1.0) and watch.diverging_steps == 0
+
+
+def test_settings_that_contradict_each_other_are_refused():
+    with pytest.raises(ValueError):
+        DivergenceSettings(rising=2.5)
+    with pytest.raises(ValueError):
+        DivergenceSettings(window=0)
