@@ -57,14 +57,6 @@ class Thresholds:
     spike_hold_steps: int = 50
     """Steps a spike keeps its warning firing, counted in the process (the same at any
     step rate)."""
-    spike_repeats: int = 3
-    """Spike steps of one signal within ``Timing.spike_repeat_window`` that make spikes
-    critical (one is a warning). A step is what the counter counts: a spike lasting
-    several steps counts each of them, and a loss 3 steps above twice its median is
-    more than a blip."""
-    loss_divergence: float = 2.0
-    """A spike while the loss is above this many times its running minimum is critical:
-    the run has lost what it learned, not just hit an odd batch."""
     norm_baseline_ratio: float = 4.0
     """A layer's gradient norm this many times the median of its own last norm_baseline
     sampled steps, sustained (``norm_ratio_for``), is the warning tier. Not 3: the small
@@ -104,18 +96,8 @@ class Timing:
     event_window: float = 120
     """Range that holds the last two scrapes (``idelta``: what moved since the previous
     scrape): at least twice the scrape interval, Prometheus' default 1m included."""
-    spike_window: float = 900
-    """How long one spike keeps its warning firing (``increase()`` of the spike counter)."""
-    spike_repeat_window: float = 3600
-    """The window in which ``Thresholds.spike_repeats`` spike steps are critical."""
-    loss_window: float = 120
-    """The loss must have stayed above ``Thresholds.loss_divergence`` times its running
-    minimum over this window (every scrape in it) for a spike to be critical: one small
-    batch's loss is often above twice the lowest batch loss seen."""
     norm_ratio_for: float = 120
     update_ratio_for: float = 60
-    adam_window: float = 300
-    """max_over_time of Adam's RMS: a reading every optimizer_every steps is caught by any scrape."""
     fp16_for: float = 120
     lr_zero_for: float = 600
 
@@ -300,12 +282,6 @@ def _recent_spike(th: Thresholds, t: Timing, signals: Sequence[str], by: str) ->
     return (f"min by ({by}) (\n  {since} < {th.spike_hold_steps}\n  or\n"
             f"  {since} < on({TARGET}) group_left() idelta({_s(M.STEPS)}[{dur(t.event_window)}])\n)\n"
             f"and on({TARGET}) {_past_warmup(th)}")
-
-
-def _max_reading(spec: M.MetricSpec, th: Thresholds, window: float, by: str) -> str:
-    """The largest reading of ``spec`` in ``window`` among those taken after warm-up: a
-    reading of the warm-up stays out even while the window still covers it."""
-    return f"max_over_time((max by ({by}) ({spec.name}) and on({TARGET}) {_past_warmup(th)})[{dur(window)}:])"
 
 
 def _diverging(t: Timing) -> str:
@@ -641,7 +617,7 @@ def dashboards(th: Thresholds = Thresholds()) -> Dict[str, Dict[str, Any]]:
         _panel(11, "Spike steps", "timeseries", (0, 39, 8, 8),
                [(f"sum by (job, rank, signal) (increase({_s(M.SPIKE_STEPS)}{{{SEL}}}[$__rate_interval]))",
                  "{{signal}} {{job}} rank {{rank}}")],
-               thresholds=[("green", None), (orange, 1), (red, th.spike_repeats)],
+               thresholds=[("green", None), (orange, 1)],
                description="Counted in the process: a one-step spike between two scrapes is here."),
         _panel(12, "Learning rate", "timeseries", (8, 39, 8, 8),
                [(f"{M.LEARNING_RATE.name}{{{SEL}}}", "group {{group}} {{job}} rank {{rank}}")], log=True),
