@@ -135,6 +135,8 @@ LOCAL_GLOBAL_NORM = M.LOCAL_GRAD_GLOBAL_NORM.name  # issue 4's pre-all-reduce vi
 
 
 WHERE = "job {{ $labels.job }}, rank {{ $labels.rank }}, model {{ $labels.model }}"  # in every description
+NEVER_SINGLE_RANK = "Never fires in a single-rank job."
+NEVER_FP32 = "Never fires in an fp32 job (without float16 tensors or a GradScaler)."
 
 
 def _past_warmup(th: Thresholds) -> str:
@@ -238,7 +240,8 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
               t.down_for),
         Alert("GradmonRanksMissing", "critical", "Fewer ranks report than the world size",
               "Only {{ $value }} ranks of job {{ $labels.job }} (model {{ $labels.model }}) report, fewer than "
-              "its world size: some ranks never came up or their targets are missing.",
+              "its world size: some ranks never came up or their targets are missing. "
+              f"{NEVER_SINGLE_RANK}",
               f"(\n  count by (job, model) ({_s(M.STEPS)})\n"
               f"  < max by (job, model) (max_over_time({M.WORLD_SIZE.name}[{dur(t.history_window)}]))\n)\n"
               f"unless on(job, model) ({_last_state(M.END_STATES, 'job, model', t)})",
@@ -252,7 +255,8 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
               0),
         Alert("GradmonLossScaleCollapse", "warning", "AMP loss scale collapsing",
               f"The GradScaler skipped most steps or its loss scale fell below {th.amp_min_loss_scale:g} ({where}): "
-              "persistent overflow, the run is not learning. Value: {{ $value | humanize }}.",
+              "persistent overflow, the run is not learning. Value: {{ $value | humanize }}. "
+              f"{NEVER_FP32}",
               f"(\n  sum by ({TARGET}) (increase({_s(M.AMP_SKIPPED_STEPS)}[{dur(t.amp_window)}]))\n"
               f"  > {th.amp_skip_fraction:g} * (\n"
               f"    sum by ({TARGET}) (increase({_s(M.AMP_SKIPPED_STEPS)}[{dur(t.amp_window)}]))\n"
@@ -261,7 +265,8 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
               t.amp_for),
         Alert("GradmonRankDivergence", "warning", "One rank's local gradient diverges",
               f"Rank {{{{ $labels.rank }}}}'s local (pre-all-reduce) gradient norm is {{{{ $value | humanize }}}}, "
-              f"over {th.divergence_factor:g}x the other ranks' ({where}): a bad data shard or a faulty device.",
+              f"over {th.divergence_factor:g}x the other ranks' ({where}): a bad data shard or a faulty device. "
+              f"{NEVER_SINGLE_RANK}",
               f"max by ({TARGET}) (\n"
               f"  ({LOCAL_GLOBAL_NORM} > on(job, model) group_left() ({th.divergence_factor:g} * {REC_LOCAL_MEDIAN}))\n"
               f"  or\n"
@@ -351,7 +356,7 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"Rank {{{{ $labels.rank }}}}'s own gradient norm of layer {{{{ $labels.layer }}}} (before the all-reduce) "
               f"is {{{{ $value | humanize }}}}x that layer's median on this rank ({where}), above "
               f"{th.norm_baseline_ratio:g}x for {dur(t.norm_ratio_for)}: a blow-up in this rank's data that the "
-              "average over ranks hides.",
+              f"average over ranks hides. {NEVER_SINGLE_RANK}",
               f"max by ({TARGET}, layer) ({M.LOCAL_GRAD_NORM_RATIO_WORST.name}) > {th.norm_baseline_ratio:g}\nand {post}",
               t.norm_ratio_for),
         Alert("GradmonUpdateRatioAboveBaseline", "warning", "A layer's updates far above their own baseline",
@@ -369,7 +374,8 @@ def _signal_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               0),
         Alert("GradmonFp16HeadroomLow", "warning", "A float16 tensor is near overflow",
               f"max |x| of the float16 {{{{ $labels.tensor }}}} of layer {{{{ $labels.layer }}}} is "
-              f"{{{{ $value | humanizePercentage }}}} of 65504 ({where}): less than {th.fp16_min_headroom:g}x headroom.",
+              f"{{{{ $value | humanizePercentage }}}} of 65504 ({where}): less than {th.fp16_min_headroom:g}x headroom. "
+              f"{NEVER_FP32}",
               f"max by ({TARGET}, layer, tensor) ({M.FP16_RANGE_USED.name}{{tensor=\"{M.TENSOR_ACTIVATION}\"}}) "
               f"> {1 / th.fp16_min_headroom:g}\n"
               f"or\n"
