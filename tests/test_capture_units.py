@@ -4,6 +4,7 @@ parameter slots, the optimizers that own them, the loss mean, the optimizer read
 from __future__ import annotations
 
 import gc
+import math
 import logging
 import weakref
 
@@ -278,3 +279,25 @@ def test_a_pass_is_seen_only_while_it_runs_through_a_watched_output():
     out.register_hook(hook)
     out.sum().backward()
     assert during == [True] and not passes.seen()
+
+
+# -- ParamGradients -----------------------------------------------------------------------------
+
+def test_the_gradients_present_are_measured_by_their_parameters_slot():
+    from gradmon.capture.grads import ParamGradients
+    a, b, c = (nn.Parameter(torch.zeros(n)) for n in (2, 3, 4))
+    a.grad, c.grad = torch.full((2,), 3.0), torch.full((4,), float("nan"))
+    grads = ParamGradients((S.GRAD,), [a, b, c])
+    rows, keys, numels = grads.measure([a, b, c])["grad"]
+    by_key = {k: (n, r) for k, n, r in zip(keys, numels, rows.tolist())}
+    assert sorted(by_key) == [0, 2] and by_key[0][0] == 2 and by_key[2][0] == 4
+    assert math.isclose(by_key[0][1][0], math.sqrt(18)) and by_key[2][1][1] == 4  # norm; NaN count
+
+
+def test_nothing_is_measured_without_a_gradient_and_nothing_reduced_without_shards():
+    from gradmon.capture.grads import ParamGradients
+    p = nn.Parameter(torch.zeros(2))
+    grads, batched = ParamGradients((S.GRAD,), [p]), {}
+    assert grads.measure([p, None]) == {} and not grads.sharded
+    grads.reduce(batched, failed=False, errors=ErrorLog("m"))
+    assert batched == {}

@@ -51,6 +51,7 @@ from ..errors import ErrorLog
 from ..statistics import Statistic
 from . import amp, optimizer, sharded, writer
 from .boundary import Event, StepBoundary
+from .grads import ParamGradients
 from .guard import Guards
 from .layers import Layer
 from .loss import LossMean
@@ -81,20 +82,14 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _empty_shard(p: Optional[torch.Tensor], flat: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """This rank's (empty) part of an FSDP1 parameter held wholly by other ranks, when its
-    unit received a gradient in this backward."""
-    if p is None or flat is None or flat.grad is None:
-        return None
-    return torch.zeros(0, dtype=flat.grad.dtype, device=flat.grad.device)
-
-
 class Recorder:
     """Per-step state of one monitor on the training thread: device tensors and small lists.
 
     The hooks' entry points (``on_*``, ``observe_loss``, ``manual_step``); what they keep
-    lives in units of their own: the parameters (``ParamSlots``), the optimizers that step
-    them (``Owners``), the step boundary (``StepBoundary``), the loss (``LossMean``), the
+    lives in units of their own: the step's records (``StepRecords``), backward passes
+    (``BackwardPasses``), the parameters (``ParamSlots``) and their gradients
+    (``ParamGradients``), the optimizers that step them (``Owners``) and what those did
+    (``optimizer.Reads``), the step boundary (``StepBoundary``), the loss (``LossMean``), the
     packet's writer (``writer.write``), the guard around every hook (``Guards``).
     """
 
@@ -113,14 +108,8 @@ class Recorder:
         self.publish = publish
         self._params = ParamSlots(layers)
         self.param_layer = self._params.param_layer
-        params = self.current_params()
-        self._shard_groups = sharded.plan(params, flat_units)
-        self.sharded = bool(self._shard_groups)
-        # FSDP1: a parameter lying wholly on other ranks has no local gradient, yet its row
-        # must join the step's all-reduce for this rank to learn its norm
-        flat_of = {id(p): unit.flat_param for unit in flat_units for p in unit.params}
-        self._flat_of: Dict[int, weakref.ref] = {i: weakref.ref(flat_of[id(p)]) for i, p in enumerate(params)
-                                                 if p is not None and id(p) in flat_of}
+        self._grads = ParamGradients(self._at[S.PARAM_GRAD], self.current_params(), flat_units)
+        self.sharded = self._grads.sharded
         # Per-parameter hooks find the end of a backward that passed through no output
         # gradmon saw (a forward of a deeper submodule), and record LOCAL_GRAD. They cost a
         # Python call per parameter per backward, so once a step shows every backward
@@ -356,22 +345,9 @@ class Recorder:
 
     def _measure_grads(self) -> None:
         self._params_now = params = self.current_params()
-        every = [p.grad if p is not None else None for p in params]
-        for i, ref in self._flat_of.items():
-            if every[i] is None:
-                every[i] = _empty_shard(params[i], ref())
-        present = [i for i, g in enumerate(every) if g is not None]
-        grads = every if len(present) == len(every) else [every[i] for i in present]
-        if set(map(type, grads)) - {torch.Tensor}:
-            # a shard's own elements, summed at the step (a plain tensor is its own)
-            grads = [g if type(g) is torch.Tensor else sharded.local(g) for g in grads]
         for st in self._at[S.PARAM_GRAD]:
             self._batched.pop(st.name, None)
-        numels = list(map(torch.Tensor.numel, grads))
-        for st in self._at[S.PARAM_GRAD] if grads else ():
-            rows, order = st.record(grads, grads[0].device)
-            self._batched[st.name] = (rows, tuple(map(present.__getitem__, order)),
-                                      tuple(map(numels.__getitem__, order)))
+        self._batched.update(self._grads.measure(params))
 
     # -- observed values -------------------------------------------------------------
 
@@ -485,8 +461,7 @@ class Recorder:
             packet = StepPacket(index, global_step, time.time(), measured_at_step=self._step.measured_at_step,
                                 learning_rates=S.host_learning_rates(self._learning_rates),
                                 rows=self._rec.rows.take())
-            if self._shard_groups:
-                self._reduce_shards()
+            self._grads.reduce(self._batched, self._step.failed, self.errors)
             try:
                 # what a forward or backward that did not complete recorded is not this step's
                 self._rec.drop_pending()
@@ -532,19 +507,6 @@ class Recorder:
         self._passes.accumulated = False
         self._loss.reset()
         self._rec.reset()
-
-    def _reduce_shards(self) -> None:
-        """The step's collective: every rank calls it at every step, whatever failed before."""
-        for st in self._at[S.PARAM_GRAD]:
-            rows, order, numels = self._batched.pop(st.name, (None, (), ()))
-            try:
-                rows, _ok = sharded.all_reduce_rows(rows, order, self._shard_groups, self._step.failed,
-                                                    [c.fold for c in st.columns])
-                if rows is not None:
-                    self._batched[st.name] = (rows, order, numels)
-            except Exception as exc:
-                self.errors.record("step", exc)
-
 
 class LayerHooks:
     """The layers' forward hooks, registered only for the steps that read them (detail
