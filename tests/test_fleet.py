@@ -26,7 +26,7 @@ RANKS = 8
 
 
 def render_shard(shard: int, shards: int) -> str:
-    """The shard config as README says to render it (envsubst of SHARD and SHARDS)."""
+    """The shard config as docs/deployment.md says to render it (envsubst of SHARD and SHARDS)."""
     return Template((FLEET / "prometheus-shard.yml").read_text()).safe_substitute(SHARD=shard, SHARDS=shards)
 
 

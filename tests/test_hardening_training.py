@@ -651,7 +651,7 @@ def test_forked_child_that_trains_is_inert_and_can_attach_its_own_monitor(attach
             queued1, steps1 = pipeline_internals(mon)
             report = {"queued_before": queued0, "queued_after": queued1, "steps_before": steps0,
                       "steps_after": steps1}
-            # the README's way to monitor a child that trains: its own attach, its own port
+            # docs/integrations.md's way to monitor a child that trains: its own attach, its own port
             own = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, name="child")
             train(model, opt, 2)
             report.update(child_steps=value(fresh(own), "gradmon_steps_total"), child_port=own.port)

@@ -295,7 +295,7 @@ def test_a_layer_whose_bias_starts_at_zero_gets_a_finite_ratio_at_its_first_step
 
 
 def _bench_gpt(depth: int = 2):
-    """The benchmark's GPT (README, Benchmark) at ``depth`` blocks."""
+    """The benchmark's GPT (docs/benchmark.md) at ``depth`` blocks."""
     import sys
     from pathlib import Path
     bench = str(Path(__file__).resolve().parents[1] / "bench")

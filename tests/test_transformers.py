@@ -131,7 +131,7 @@ def test_the_trainer_callback_counts_a_step_the_fp16_scaler_skipped(tmp_path, op
 
 
 def test_an_accelerate_loop_with_the_one_line_attach(tmp_path):
-    """README's Accelerate recipe: attach to the prepared model, observe the loss, steps from the optimizer."""
+    """The Accelerate recipe of docs/integrations.md: attach to the prepared model, observe the loss, steps from the optimizer."""
     import gradmon
 
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
