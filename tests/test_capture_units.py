@@ -1,5 +1,6 @@
 """The training thread's small units on their own, without a Recorder around them: the
-parameter slots, the optimizers that own them, the loss mean, the optimizer reads."""
+parameter slots, the optimizers that own them, the loss mean, the optimizer reads, the
+step's records and other values, backward passes, gradients, the forward hooks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import gc
 import math
 import logging
 import weakref
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,10 +17,13 @@ from torch import nn
 
 from gradmon import statistics as S
 from gradmon.capture import optimizer
+from gradmon.capture.forward import Forward, LayerHooks
+from gradmon.capture.guard import Guards
 from gradmon.capture.layers import Layer
 from gradmon.capture.loss import LossMean
 from gradmon.capture.owners import Owners
 from gradmon.capture.params import ParamSlots
+from gradmon.capture.values import StepValues
 from gradmon.errors import ErrorLog
 
 
@@ -63,6 +69,37 @@ def test_the_slots_keep_no_model_alive():
     del lin
     gc.collect()
     assert gone() is None and slots.current() == [None, None]
+
+
+def test_the_hooks_go_once_a_step_is_measured_at_the_end_of_a_backward_gradmon_saw():
+    slots = slots_of(nn.Linear(2, 2))
+    slots.measured(seen=True)
+    slots.next_step(wanted=False)
+    assert not slots.hooked
+
+
+def test_a_step_not_measured_at_a_seen_backward_keeps_the_hooks():
+    slots = slots_of(nn.Linear(2, 2))
+    slots.measured(seen=True)
+    slots.measured(seen=False)  # a later backward of the same step, unseen
+    slots.next_step(wanted=False)
+    assert slots.hooked
+
+
+def test_a_step_measured_from_a_backward_gradmon_did_not_see_keeps_the_hooks_for_good():
+    slots = slots_of(nn.Linear(2, 2))
+    slots.measured_unseen()
+    slots.next_step(wanted=False)
+    slots.measured(seen=True)
+    slots.next_step(wanted=False)
+    assert slots.hooked
+
+
+def test_wanted_hooks_stay_whatever_the_backwards_were():
+    slots = slots_of(nn.Linear(2, 2))
+    slots.measured(seen=True)
+    slots.next_step(wanted=True)
+    assert slots.hooked
 
 
 # -- Owners -------------------------------------------------------------------------------------
@@ -301,3 +338,178 @@ def test_nothing_is_measured_without_a_gradient_and_nothing_reduced_without_shar
     assert grads.measure([p, None]) == {} and not grads.sharded
     grads.reduce(batched, failed=False, errors=ErrorLog("m"))
     assert batched == {}
+
+
+# -- StepValues ---------------------------------------------------------------------------------
+
+def stepped(*lrs, found_inf=None):
+    """What the values read of an optimizer after its step: its groups' learning rates, its flag."""
+    return SimpleNamespace(param_groups=[{"lr": lr} for lr in lrs], found_inf=found_inf)
+
+
+def test_the_step_scalars_come_in_packet_order_with_the_tensor_learning_rates_last():
+    values = StepValues()
+    values.read_optimizer(stepped(0.1, torch.tensor(0.2), found_inf=torch.tensor([1.0])))
+    values.loss.add(2.0)
+    scale = torch.tensor(1024.0)
+    names = [name for name, _ in values.scalars(scale)]
+    assert names == [S.SCALAR_AMP_SCALE, S.SCALAR_AMP_FOUND_INF, S.SCALAR_LOSS, S.learning_rate_scalar(1)]
+    assert values.host_learning_rates() == (0.1, None)
+
+
+def test_the_overflow_flag_rides_as_a_0d_float_tensor_and_is_never_read():
+    values = StepValues()
+    values.read_optimizer(stepped(0.1, found_inf=torch.tensor([1], dtype=torch.int32)))
+    assert values.found_inf.shape == () and values.found_inf.dtype == torch.float32
+
+
+def test_without_a_scaler_there_is_no_loss_scale():
+    values = StepValues(scaler=None)
+    values.read_scale()
+    assert values.scale is None
+
+
+def test_rows_measured_again_replace_only_their_own_statistics():
+    values, rows = StepValues(), (torch.zeros(1, 3), (0,), (4,))
+    values.add({"grad": rows, "update_ratio": rows})
+    values.drop((S.GRAD,))
+    assert list(values.batched) == ["update_ratio"]
+
+
+def test_a_closed_step_keeps_nothing_it_collected():
+    values = StepValues()
+    values.add({"grad": (torch.zeros(1, 3), (0,), (4,))})
+    values.read_optimizer(stepped(torch.tensor(0.1), found_inf=torch.tensor(0.0)))
+    values.loss.add(1.0)
+    values.reset()
+    assert (values.batched, values.learning_rates, values.found_inf, values.scale) == ({}, (), None, None)
+    assert [t for _, t in values.scalars(None)] == [None, None, None]
+
+
+# -- Forward ------------------------------------------------------------------------------------
+
+class Backwards:
+    """What the forward hooks tell the backward side: outputs a backward starts from, and
+    gradient-flow hooks entering a backward."""
+
+    def __init__(self) -> None:
+        self.starts: list = []
+        self.entered = 0
+
+    def start(self, grad: torch.Tensor) -> None:
+        self.starts.append(tuple(grad.shape))
+
+    def enter(self) -> None:
+        self.entered += 1
+
+
+def forward_hooks(*statistics, errors=None):
+    errors = errors or ErrorLog("m")
+    rec, told = step_records(*statistics, errors=errors), Backwards()
+    return Forward(statistics, rec, Guards(errors), errors, told.start, told.enter), rec, told
+
+
+def hook_root(fwd: Forward, root: nn.Module) -> None:
+    root.register_forward_pre_hook(fwd.on_root_forward_pre, with_kwargs=True)
+    root.register_forward_hook(fwd.on_root_forward)
+    root.register_forward_hook(fwd.on_root_exit, always_call=True)
+
+
+def test_a_layers_output_is_recorded_on_a_detail_step_and_not_on_an_ordinary_one():
+    fwd, rec, _ = forward_hooks(S.ACTIVATION)
+    lin = nn.Sequential(nn.Linear(2, 2))
+    hook_root(fwd, lin)
+    lin[0].register_forward_hook(partial(fwd.on_forward, 1))
+    lin(torch.ones(1, 2))
+    detail = committed_keys(rec, "activation")
+    rec.reset()
+    fwd.next_step(detail=False)
+    lin(torch.ones(1, 2))
+    assert detail == [1] and committed_keys(rec, "activation") == []
+
+
+def test_an_eval_forward_and_a_no_grad_forward_record_nothing():
+    fwd, rec, _ = forward_hooks(S.ACTIVATION)
+    lin = nn.Sequential(nn.Linear(2, 2))
+    hook_root(fwd, lin)
+    lin[0].register_forward_hook(partial(fwd.on_forward, 1))
+    with torch.no_grad():
+        lin(torch.ones(1, 2))
+    lin.eval()
+    lin(torch.ones(1, 2))
+    assert committed_keys(rec, "activation") == []
+
+
+def test_inactive_hooks_record_nothing_and_watch_no_backward():
+    fwd, rec, told = forward_hooks(S.ACTIVATION)
+    lin = nn.Sequential(nn.Linear(2, 2))
+    hook_root(fwd, lin)
+    lin[0].register_forward_hook(partial(fwd.on_forward, 1))
+    fwd.active = False
+    lin(torch.ones(1, 2)).sum().backward()
+    assert committed_keys(rec, "activation") == [] and told.starts == []
+
+
+def test_the_roots_output_marks_where_the_backward_starts():
+    fwd, _, told = forward_hooks(S.GRAD)
+    lin = nn.Linear(2, 3)
+    hook_root(fwd, lin)
+    lin(torch.ones(1, 2)).sum().backward()
+    with torch.no_grad():
+        lin(torch.ones(1, 2))
+    assert told.starts == [(1, 3)]
+
+
+def test_a_block_called_alone_marks_the_start_of_the_backward_and_inside_the_root_it_does_not():
+    fwd, _, told = forward_hooks(S.BLOCK_FINITE)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 4))
+    hook_root(fwd, model)
+    fwd.blocks = 2
+    for key, block in enumerate(model, start=1):
+        block.register_forward_hook(partial(fwd.on_block, key, None))
+    model(torch.ones(1, 2)).sum().backward()
+    model[0](torch.ones(1, 2)).sum().backward()
+    assert told.starts == [(1, 4), (1, 3)]
+
+
+def test_the_blocks_values_are_recorded_from_the_input_to_the_roots_output():
+    fwd, rec, _ = forward_hooks(S.BLOCK_FINITE)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 4))
+    hook_root(fwd, model)
+    fwd.blocks = 1
+    model[0].register_forward_hook(partial(fwd.on_block, 1, None))
+    model(torch.ones(1, 2))
+    assert committed_keys(rec, "block_finite") == [0, 1, 2]  # input, the block, the root's output
+
+
+def test_gradient_flow_enters_the_backward_then_records_the_gradient():
+    fwd, rec, told = forward_hooks(S.ACTIVATION, S.GRAD_FLOW)
+    lin = nn.Linear(2, 2)
+    lin.register_forward_hook(partial(fwd.on_forward, 1))
+    lin(torch.ones(1, 2)).sum().backward()
+    rec.commit(rec.each(S.OUTPUT_GRAD), "grad_flow")
+    assert told.entered == 1 and committed_keys(rec, "grad_flow") == [1]
+
+
+def test_the_layer_hooks_are_registered_only_while_wanted():
+    lin, calls = nn.Linear(2, 2), []
+    hooks = LayerHooks([Layer(0, "lin", lin, tuple(lin.parameters()))], lambda i, *a: calls.append(i))
+    hooks.want(True)
+    hooks.want(True)  # already there: not twice
+    lin(torch.ones(1, 2))
+    hooks.want(False)
+    lin(torch.ones(1, 2))
+    assert calls == [0]
+
+
+def test_on_an_ordinary_step_the_layer_hooks_go_unless_every_step_reads_the_layers():
+    lin, wanted = nn.Linear(2, 2), {}
+    for statistics in ((S.ACTIVATION,), (S.ACTIVATION, S.LAYER_FINITE)):
+        fwd, _, _ = forward_hooks(*statistics)
+        fwd.layer_hooks = LayerHooks([Layer(0, "lin", lin, tuple(lin.parameters()))], fwd.on_forward)
+        fwd.layer_hooks.want(True)
+        fwd.next_step(detail=False)
+        fwd.want_layer_hooks()
+        wanted[len(statistics)] = bool(fwd.layer_hooks._handles)
+        fwd.layer_hooks.remove()
+    assert wanted == {1: False, 2: True}

@@ -293,7 +293,7 @@ def test_detail_families_are_sampled_every_n_steps_and_counters_every_step(attac
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     mon = attach(model, detail_every=3)
     calls = []
-    real = mon._recorder.on_forward
+    real = mon._recorder.forward.on_forward
 
     for i in range(6):
         model(torch.randn(2, 6)).sum().backward()

@@ -1,6 +1,7 @@
 """The training thread: what runs inside ``loss.backward()`` and ``optimizer.step()``.
 
-Hooks and the recorder (``hooks``), the step boundary, the step packet the training thread
+The forward hooks (``forward``), the backward and step hooks and the recorder (``hooks``),
+the step's records and values (``records``, ``values``), the step boundary, the step packet the training thread
 hands over once per optimizer step (``packet``), the on-device reductions (``kernels``),
 optimizer-state reads (``optimizer``), sharded and data-parallel reductions (``sharded``),
 the GradScaler's view (``amp``) and layer discovery at attach (``layers``).

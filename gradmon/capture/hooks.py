@@ -1,13 +1,8 @@
 """The hooks: everything gradmon does on the training thread.
 
-* Forward hooks on each layer record activation statistics and, for gradient flow,
-  put a tensor hook on the layer's output. Tensor hooks rather than
-  ``register_full_backward_hook``: a full backward hook wraps the output in a
-  BackwardHookFunction, so an in-place op on it (``ReLU(inplace=True)`` after a
-  Conv/BN, as in torchvision's ResNet) raises inside the user's forward, and under
-  ``torch.compile`` one module backward hook makes the whole model run eagerly. A
-  tensor hook registered before an in-place op receives the gradient of the value the
-  layer returned, which is exactly gradient flow, and covers the same layers.
+* Forward hooks on the root module, its top-level blocks and each layer record activation
+  statistics and, for gradient flow, put a tensor hook on the layer's output
+  (:class:`forward.Forward`).
 * The first hook of a backward pass (a tensor hook on the root module's output, or on a
   top-level block's output when that block is called alone, or a monitored parameter's
   post-accumulate-grad hook) queues one end-of-backward callback for that pass,
@@ -36,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -51,46 +45,30 @@ from ..errors import ErrorLog
 from ..statistics import Statistic
 from . import amp, optimizer, sharded, writer
 from .boundary import Event, StepBoundary
+from .forward import Forward, LayerHooks
 from .grads import ParamGradients
 from .guard import Guards
 from .layers import Layer
-from .loss import LossMean
 from .owners import Owners
 from .packet import GlobalStepUpdate, StepPacket
 from .params import ParamSlots
 from .passes import BackwardPasses, graph_task_id
-from .records import KEEP_SCRATCH_EVERY, StepRecords, iter_tensors
+from .records import KEEP_SCRATCH_EVERY, StepRecords
+from .values import StepValues
 
 log = logging.getLogger("gradmon")
-
-
-def _recomputed_twice() -> bool:
-    """A forward that activation checkpointing re-runs inside backward, whose original
-    was already measured. Non-reentrant checkpointing ran the original with grad
-    enabled (measured): skip the re-run. Reentrant checkpointing ran the original under
-    no_grad (skipped as an eval forward): its re-run, inside CheckpointFunctionBackward,
-    is the only training forward there is, so it is measured once, there."""
-    node = torch._C._current_autograd_node()
-    return node is not None and type(node).__name__ != "CheckpointFunctionBackward"
-
-
-def _compiling() -> bool:
-    # Under torch.compile the per-layer hooks are traced into the graph; a Python flag
-    # read there (detail_now) becomes a guard that recompiles every time it flips, and
-    # register_hook breaks the graph. So inside a compiled region they do nothing:
-    # dynamo folds this check to True and traces an empty hook.
-    return torch.compiler.is_compiling()
 
 
 class Recorder:
     """Per-step state of one monitor on the training thread: device tensors and small lists.
 
-    The hooks' entry points (``on_*``, ``observe_loss``, ``manual_step``); what they keep
-    lives in units of their own: the step's records (``StepRecords``), backward passes
+    The backward and step hooks' entry points (``on_*``, ``observe_loss``, ``manual_step``);
+    what they keep lives in units of their own: the forward hooks (``Forward``), the step's
+    records (``StepRecords``) and its other values (``StepValues``), backward passes
     (``BackwardPasses``), the parameters (``ParamSlots``) and their gradients
     (``ParamGradients``), the optimizers that step them (``Owners``) and what those did
-    (``optimizer.Reads``), the step boundary (``StepBoundary``), the loss (``LossMean``), the
-    packet's writer (``writer.write``), the guard around every hook (``Guards``).
+    (``optimizer.Reads``), the step boundary (``StepBoundary``), the packet's writer
+    (``writer.write``), the guard around every hook (``Guards``).
     """
 
     def __init__(self, layers: Sequence[Layer], cfg: Config, errors: ErrorLog,
@@ -98,51 +76,43 @@ class Recorder:
                  flat_units: Sequence[sharded.FlatUnit] = ()) -> None:
         self.cfg = cfg
         self.statistics = tuple(statistics)
-        self._layer_names = tuple(layer.name for layer in layers)
         self._at: Dict[str, Tuple[Statistic, ...]] = {
             at: tuple(st for st in self.statistics if st.at == at)
             for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER, S.OPTIMIZER)}
-        # a record at OUTPUT that flags a layer's non-finite values (the activation statistic)
-        self._output_has_extremes = any(st.origin == S.LAYER_FINITE.origin for st in self._at[S.OUTPUT])
         self.errors = errors
         self.publish = publish
         self._params = ParamSlots(layers)
         self.param_layer = self._params.param_layer
         self._grads = ParamGradients(self._at[S.PARAM_GRAD], self.current_params(), flat_units)
         self.sharded = self._grads.sharded
-        # Per-parameter hooks find the end of a backward that passed through no output
-        # gradmon saw (a forward of a deeper submodule), and record LOCAL_GRAD. They cost a
-        # Python call per parameter per backward, so once a step shows every backward
-        # passing through the root's output (or a top-level block's, called alone) they
-        # are removed; a step whose gradients came from a backward gradmon did not see
-        # (measured at the optimizer step) brings them back for good (self._params.hooked).
-        self._unseen = False  # a step had gradients from a backward gradmon did not see
-        self._step_seen = False  # this step's gradients were measured at the end of a seen backward
         self._passes = BackwardPasses(self.current_params)
-        self._in_root = False  # inside the root's forward
-        self.layer_hooks: Optional[LayerHooks] = None  # set by HookSet.install
-        self._compiled = False  # a hook ran inside a compiled region: hooks stay as they are
-        self._batch_blocks = all(st.record_many is not None for st in self._at[S.BLOCK])
-        self._defer_blocks = False  # this step's block checks wait for the end of the forward
         self._params_now: Optional[List[Optional[torch.Tensor]]] = None  # as this step's measure saw them
         self.scaler = cfg.scaler
-        self._scale: Optional[torch.Tensor] = None  # loss scale during this step's backward
-        self._loss = LossMean()  # observe(loss=...) since the last step, on the device
+        self._values = StepValues(cfg.scaler)
         self._step = StepBoundary()
         self._owners = Owners(self.current_params)
         self._reads = optimizer.Reads(cfg.optimizer_sample)
-        self.active = True
+        self._active = True
         self._guard = Guards(errors)
         self.steps = 0
         self.step_offset = 0
-        self.detail_now = True
-        self.blocks = 0  # the root module's direct children: BLOCK keys 1..blocks
-        # PARAM_GRAD and OPTIMIZER statistics of this step: name -> (rows, parameter and numel of each row)
-        self._batched: Dict[str, Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]] = {}
-        self._learning_rates: Tuple[Any, ...] = ()  # this step's, per param group: floats or tensors
-        self._found_inf: Optional[torch.Tensor] = None  # a fused optimizer's overflow flag, this step
-        self._rec = StepRecords(self.statistics, self._layer_names, errors,
+        self._rec = StepRecords(self.statistics, tuple(layer.name for layer in layers), errors,
                                 keep_scratch=cfg.detail_every <= KEEP_SCRATCH_EVERY)
+        self.forward = Forward(self.statistics, self._rec, self._guard, errors,
+                               self._on_backward_start, self._enter_backward)
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @active.setter
+    def active(self, on: bool) -> None:
+        self._active = self.forward.active = on
+
+    @property
+    def detail_now(self) -> bool:
+        """This step reads the layers (``detail_every``)."""
+        return self.forward.detail_now
 
     @property
     def overhead(self) -> float:
@@ -160,7 +130,7 @@ class Recorder:
         """Drop every reference to the model so it can be garbage-collected after detach."""
         self.active = False
         self._params.release()
-        self._batched = {}
+        self._values.reset()
         self._params_now = None
         self._rec.release()
 
@@ -180,7 +150,7 @@ class Recorder:
         """Post-accumulate-grad hook: autograd accumulated this gradient in this backward.
         It runs inside AccumulateGrad, before DDP's reducer copies the gradient into its
         bucket, so ``p.grad`` is still this rank's own (the local view)."""
-        if not self.active:
+        if not self._active:
             return
         passes = self._passes
         if passes.accumulated and not self._at[S.LOCAL_GRAD] and graph_task_id() == passes.queued:
@@ -191,112 +161,10 @@ class Recorder:
             if self._at[S.LOCAL_GRAD] and p.grad is not None:
                 self._rec.record(S.LOCAL_GRAD, param, sharded.local(p.grad), "backward")
 
-    # -- forward / grad flow -------------------------------------------------------
-
-    def _training_forward(self, module: nn.Module) -> bool:
-        return self.active and module.training and torch.is_grad_enabled() and not _recomputed_twice()
-
-    @torch._dynamo.disable
-    def on_root_forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """A forward whose root never returned (it raised) left records: drop them. The
-        batch's own values are the first block record (key 0): a NaN that came with the
-        data is named ``input``, not blamed on the first layer that passed it on."""
-        if not self.active:
-            return
-        self._rec.drop_pending(*S.FORWARD)
-        self._rec.blocks.drop()
-        self._in_root = True
-        with self._guard("forward"):
-            self._rec.rows.start(module, args, kwargs)
-            if self._at[S.BLOCK] and self._training_forward(module):
-                self._rec.record_values(S.BLOCK, 0, (args, kwargs))
-
-    def on_root_exit(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        """The root's forward ended, returned or raised (``always_call``)."""
-        self._in_root = False
-
-    def on_block(self, block: int, layer: Optional[int], module: nn.Module, inputs: Any, output: Any) -> None:
-        """A top-level block returned: its check waits for the end of the forward on an
-        ordinary step (:class:`BlockChecks`), else one small reduction now. Called alone,
-        outside the root's forward, its output marks the start of the backward."""
-        if layer is not None:
-            self.on_forward(layer, module, inputs, output)
-        if torch.compiler.is_compiling():  # see _compiling; called directly: this runs per block per step
-            self._compiled = True
-            return
-        with self._guard("forward"):
-            if self._training_forward(module):
-                if not (self._defer_blocks and self._rec.blocks.defer(block, output)):
-                    self._rec.record_values(S.BLOCK, block, output)
-                if not self._in_root:
-                    self._watch_backward(output)
-
-    def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
-        if _compiling():
-            self._compiled = True
-            return
-        if not (self.detail_now or self._at[S.LAYER]):
-            return
-        with self._guard("forward"):
-            if self._training_forward(module):
-                # on a detail step the activation record already holds the same extremes
-                if not (self.detail_now and self._output_has_extremes):
-                    self._rec.record_values(S.LAYER, layer, output)
-                if self.detail_now:
-                    self._rec.record_values(S.OUTPUT, layer, output,
-                                            self.on_grad_flow if self._at[S.OUTPUT_GRAD] else None)
-
-    def on_grad_flow(self, layer: int, grad: torch.Tensor) -> None:
-        if not self.active or grad is None:
-            return
-        with self._guard("grad_flow"):
-            self._enter_backward()
-            values_of = self._rec.measurable(grad, S.OUTPUT_GRAD, layer)
-            if values_of is not None:
-                self._rec.record(S.OUTPUT_GRAD, layer, values_of, "grad_flow")
-
     # -- end of backward -----------------------------------------------------------
 
-    @torch._dynamo.disable
-    def on_root_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        """Runs eagerly even when the model is compiled (a graph break after the whole
-        forward, not inside it), so end-of-backward measurement works under compile."""
-        if not self.active:
-            return
-        with self._guard("forward"):
-            self._rec.flush_blocks(self._record_root_output(module, output))
-            self._rec.end_of_pass()
-            self._rec.commit(self._rec.each(*S.FORWARD), "forward")
-            self._rec.rows.commit()
-        if not torch.is_grad_enabled():
-            return
-        try:
-            self._watch_backward(output)
-        except Exception as exc:
-            self.errors.record("backward", exc)
-
-    def _record_root_output(self, module: nn.Module, output: Any) -> Tuple[int, ...]:
-        """The root's output, the last block record; the keys that take the last block's
-        record as theirs instead (its output returned unchanged). A failure costs only this
-        record (counted)."""
-        try:
-            if self._at[S.BLOCK] and self._training_forward(module):
-                last = self._rec.blocks.last()
-                if last is not None and output is last[1] and output._version == last[2]:
-                    return (self.blocks + 1,)
-                self._rec.record_values(S.BLOCK, self.blocks + 1, output)
-        except Exception as exc:
-            self.errors.record("forward", exc)
-        return ()
-
-    def _watch_backward(self, output: Any) -> None:
-        """The gradient of ``output`` is the first thing a backward through it computes."""
-        for t in iter_tensors(output):
-            if t.requires_grad:
-                t.register_hook(self._on_backward_start)
-
     def _on_backward_start(self, grad: torch.Tensor) -> None:
-        if not self.active:
+        if not self._active:
             return
         try:
             self._enter_backward()
@@ -322,7 +190,7 @@ class Recorder:
             self.errors.record("backward", exc)
 
     def _after_backward(self) -> None:
-        if not self.active:
+        if not self._active:
             return
         with self._guard("backward", self._step.fail):
             # OUTPUT too: reentrant checkpointing re-runs forwards inside backward
@@ -338,16 +206,15 @@ class Recorder:
                 passes.accumulated = True
             if passes.accumulated or self.sharded:
                 passes.accumulated = False
-                self._step_seen = passes.seen()
-                self._scale = amp.scale_tensor(self.scaler)
+                self._params.measured(passes.seen())
+                self._values.read_scale()
                 self._step.fire(Event.BACKWARD)  # even if measuring fails: the step must still count
                 self._measure_grads()
 
     def _measure_grads(self) -> None:
         self._params_now = params = self.current_params()
-        for st in self._at[S.PARAM_GRAD]:
-            self._batched.pop(st.name, None)
-        self._batched.update(self._grads.measure(params))
+        self._values.drop(self._at[S.PARAM_GRAD])
+        self._values.add(self._grads.measure(params))
 
     # -- observed values -------------------------------------------------------------
 
@@ -355,24 +222,17 @@ class Recorder:
     def observe_loss(self, loss: Any) -> None:
         """One micro-batch's loss: added on its device, never read; the step's packet
         carries the mean. Bad input is counted (stage ``observe``), never raised."""
-        if not self.active:
+        if not self._active:
             return
         with self._guard("observe"):
-            self._loss.add(loss)
-
-    def _step_scalars(self, scale: Optional[torch.Tensor]) -> List[Tuple[str, Optional[torch.Tensor]]]:
-        """The step scalars of this step, names and 0-d device tensors (None: absent), in packet order."""
-        return [(S.SCALAR_AMP_SCALE, scale), (S.SCALAR_AMP_FOUND_INF, self._found_inf),
-                (S.SCALAR_LOSS, self._loss.mean()),
-                *((S.learning_rate_scalar(group), lr.detach().reshape(()))
-                  for group, lr in enumerate(self._learning_rates) if isinstance(lr, torch.Tensor))]
+            self._values.loss.add(loss)
 
     # -- step boundary -------------------------------------------------------------
 
     def on_optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # A global hook: it runs for every optimizer in the process, so nothing may escape.
         try:
-            if not self.active or not self._owners.owns(opt):
+            if not self._active or not self._owners.owns(opt):
                 return
         except Exception as exc:
             self.errors.record("step", exc)
@@ -385,21 +245,17 @@ class Recorder:
             # model does not count the step twice.
             if not self._step.measured and self._owners.primary(opt):
                 self._step.fire(Event.AT_STEP)
-                self._scale = amp.scale_tensor(self.scaler)
+                self._values.read_scale()
                 self._measure_grads()
-                self._unseen = self._unseen or bool(self._batched)
+                if self._values.batched:
+                    self._params.measured_unseen()
 
     def on_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
-            if not self.active or not self._owners.owns(opt) or not self._step.measured:
+            if not self._active or not self._owners.owns(opt) or not self._step.measured:
                 return
             gs = optimizer.step_count(opt)
-            # every step, whatever optimizer_every says: floats are free, tensors are packed
-            self._learning_rates = tuple(group.get("lr") for group in opt.param_groups)
-            # A fused optimizer is stepped even on overflow, with the scaler's flag, and applies
-            # nothing: the flag rides in the packet (reading it here would sync the device).
-            found = getattr(opt, "found_inf", None)
-            self._found_inf = found.detach().reshape(()).float() if isinstance(found, torch.Tensor) else None
+            self._values.read_optimizer(opt)
         except Exception as exc:
             self.errors.record("step", exc)
             return
@@ -415,10 +271,10 @@ class Recorder:
             return
         with self._guard("step"):
             if self._at[S.OPTIMIZER] and self.steps % every == 0:
-                self._batched.update(self._reads.rows(opt, self.current_params(), self.sharded, self._at[S.OPTIMIZER]))
+                self._values.add(self._reads.rows(opt, self.current_params(), self.sharded, self._at[S.OPTIMIZER]))
 
     def manual_step(self, global_step: Optional[int]) -> None:
-        if not self.active:
+        if not self._active:
             return
         if self._step.relabels:
             # The optimizer hook already published this step, or the scaler skipped it (a
@@ -432,7 +288,8 @@ class Recorder:
             with self._guard("step"):
                 self._step.fire(Event.AT_STEP)
                 self._measure_grads()
-                self._unseen = self._unseen or bool(self._batched)
+                if self._values.batched:
+                    self._params.measured_unseen()
         if global_step is not None:
             self.step_offset = global_step - (self.steps + 1)
         self.end_step(None, by_optimizer=False)
@@ -440,7 +297,7 @@ class Recorder:
     def on_scaler_update(self) -> None:
         """Once per iteration, stepped or not: a backward without an optimizer step was a
         step the scaler skipped on overflow."""
-        if not self.active:
+        if not self._active:
             return
         if not self._step.skipped_at_update:
             self._step.fire(Event.SCALER_UPDATE)
@@ -448,7 +305,7 @@ class Recorder:
         with self._guard("step"):
             try:
                 packet = StepPacket(self.steps, self.step_offset + self.steps, time.time(), skipped=True)
-                self.publish(writer.write(packet, (), {}, {}, None, self._step_scalars(amp.scale_tensor(self.scaler)),
+                self.publish(writer.write(packet, (), {}, {}, None, self._values.scalars(amp.scale_tensor(self.scaler)),
                                           self.errors))
             finally:
                 self._step.fire(Event.SCALER_UPDATE)  # closes the step as skipped
@@ -459,14 +316,14 @@ class Recorder:
             index = self.steps
             global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
             packet = StepPacket(index, global_step, time.time(), measured_at_step=self._step.measured_at_step,
-                                learning_rates=S.host_learning_rates(self._learning_rates),
+                                learning_rates=self._values.host_learning_rates(),
                                 rows=self._rec.rows.take())
-            self._grads.reduce(self._batched, self._step.failed, self.errors)
+            self._grads.reduce(self._values.batched, self._step.failed, self.errors)
             try:
                 # what a forward or backward that did not complete recorded is not this step's
                 self._rec.drop_pending()
-                packet = writer.write(packet, self.statistics, self._rec.by_name, self._batched, self._scale,
-                                      self._step_scalars(self._scale), self.errors,
+                packet = writer.write(packet, self.statistics, self._rec.by_name, self._values.batched,
+                                      self._values.scale, self._values.scalars(self._values.scale), self.errors,
                                       sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
             except Exception as exc:
                 self.errors.record("step", exc)
@@ -477,9 +334,7 @@ class Recorder:
             self._step.fire(Event.OPTIMIZER if by_optimizer else Event.MANUAL)
             self._close_step()
             self.steps += 1
-            self.detail_now = self.steps % self.cfg.detail_every == 0
-            # on a detail step a block that is a layer takes its extremes from its activation record
-            self._defer_blocks = self._batch_blocks and not self.detail_now
+            self.forward.next_step(self.steps % self.cfg.detail_every == 0)
             try:
                 self._next_hooks()
             except Exception as exc:
@@ -490,47 +345,16 @@ class Recorder:
         backward gradmon did not see may come (or LOCAL_GRAD reads them), the layers'
         forward hooks on the steps that read them. Under torch.compile hooks stay as they
         are (adding or removing one would recompile the model)."""
-        self._params.hooked = (self._unseen or bool(self._at[S.LOCAL_GRAD]) or self._compiled
-                               or (self._params.hooked and not self._step_seen))
-        self._step_seen = False
+        self._params.next_step(bool(self._at[S.LOCAL_GRAD]) or self.forward.compiled)
         # parameters replaced since the last step are measured from now on
         self.hook_params(self._params_now)
         self._params_now = None
-        if self.layer_hooks is not None:
-            self.layer_hooks.want(self.detail_now or bool(self._at[S.LAYER]) or self._compiled)
+        self.forward.want_layer_hooks()
 
     def _close_step(self) -> None:
-        self._batched = {}
-        self._found_inf = None
-        self._learning_rates = ()
-        self._scale = None
+        self._values.reset()
         self._passes.accumulated = False
-        self._loss.reset()
         self._rec.reset()
-
-class LayerHooks:
-    """The layers' forward hooks, registered only for the steps that read them (detail
-    steps, or every step with ``origin_per_layer``): a module with a forward hook leaves
-    PyTorch's fast call path, which alone costs about a microsecond a call."""
-
-    def __init__(self, layers: Sequence[Layer], hook: Callable[..., None]) -> None:
-        self._layers = [(layer.index, weakref.ref(layer.module)) for layer in layers]
-        self._hook = hook
-        self._handles: List[Any] = []
-
-    def want(self, on: bool) -> None:
-        if on and not self._handles:
-            for index, ref in self._layers:
-                module = ref()
-                if module is not None:
-                    self._handles.append(module.register_forward_hook(partial(self._hook, index)))
-        elif not on and self._handles:
-            self.remove()
-
-    def remove(self) -> None:
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
 
 
 class HookSet:
@@ -546,23 +370,24 @@ class HookSet:
             # block's extremes are then taken from the layer's activation record), since
             # the layers' own hooks come and go and would then run after the block's.
             both: Dict[int, int] = {}
+            forward = recorder.forward
             if recorder.statistics_at(S.BLOCK):
-                recorder.blocks = len(blocks)
+                forward.blocks = len(blocks)
                 index = {id(layer.module): layer.index for layer in layers}
                 layered = bool(recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER))
                 for key, block in enumerate(blocks, start=1):
                     if layered and id(block) in index:
                         both[id(block)] = index[id(block)]
                     self._handles.append(block.register_forward_hook(
-                        partial(recorder.on_block, key, both.get(id(block)))))
+                        partial(forward.on_block, key, both.get(id(block)))))
             if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER):
-                recorder.layer_hooks = LayerHooks([layer for layer in layers if id(layer.module) not in both],
-                                                  recorder.on_forward)
-                self._handles.append(recorder.layer_hooks)
-                recorder.layer_hooks.want(True)  # the first step is a detail step
-            self._handles.append(root.register_forward_pre_hook(recorder.on_root_forward_pre, with_kwargs=True))
-            self._handles.append(root.register_forward_hook(recorder.on_root_forward))
-            self._handles.append(root.register_forward_hook(recorder.on_root_exit, always_call=True))
+                forward.layer_hooks = LayerHooks([layer for layer in layers if id(layer.module) not in both],
+                                                 forward.on_forward)
+                self._handles.append(forward.layer_hooks)
+                forward.layer_hooks.want(True)  # the first step is a detail step
+            self._handles.append(root.register_forward_pre_hook(forward.on_root_forward_pre, with_kwargs=True))
+            self._handles.append(root.register_forward_hook(forward.on_root_forward))
+            self._handles.append(root.register_forward_hook(forward.on_root_exit, always_call=True))
             if recorder.scaler is not None:
                 self._handles.append(amp.UpdateHook(recorder.scaler, recorder.on_scaler_update))
             recorder.hook_params()

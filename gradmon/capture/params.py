@@ -3,6 +3,12 @@
 Parameters are held by (module, attribute name), never by reference: a parameter replaced
 after attach (a new ``nn.Parameter``, ``load_state_dict(assign=True)``) is measured in place
 of the old one, and the old one can be freed.
+
+Per-parameter hooks find the end of a backward that passed through no output gradmon saw (a
+forward of a deeper submodule), and record LOCAL_GRAD. They cost a Python call per parameter
+per backward, so once a step shows every backward passing through the root's output (or a
+top-level block's, called alone) they are removed; a step whose gradients came from a
+backward gradmon did not see (measured at the optimizer step) brings them back for good.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ class ParamSlots:
         self.param_layer: Tuple[int, ...] = tuple(layer.index for layer in layers for _ in layer.params)
         """The layer of each parameter, in slot order."""
         self.hooked = True
-        """Whether each parameter carries a post-accumulate-grad hook (the recorder decides
-        per step: they cost a Python call per parameter per backward)."""
+        """Whether each parameter carries a post-accumulate-grad hook (decided per step:
+        :meth:`next_step`)."""
+        self._unseen = False  # a step had gradients from a backward gradmon did not see
+        self._step_seen = False  # this step's gradients were measured at the end of a seen backward
         self._known: List[Optional[weakref.ref]] = []  # the parameters as last seen
         self._hooks: List[Any] = []
 
@@ -56,6 +64,20 @@ class ParamSlots:
         elif not self.hooked and self._hooks:
             self.remove_hooks()
         return changed
+
+    def measured(self, seen: bool) -> None:
+        """This step's gradients were measured at the end of a backward gradmon ``seen`` (or not)."""
+        self._step_seen = seen
+
+    def measured_unseen(self) -> None:
+        """This step's gradients came from a backward gradmon did not see: hooks for good."""
+        self._unseen = True
+
+    def next_step(self, wanted: bool) -> None:
+        """Whether the next step's parameters carry hooks (:meth:`sync` adds or removes
+        them); ``wanted``: hooked whatever the backwards were (LOCAL_GRAD, torch.compile)."""
+        self.hooked = self._unseen or wanted or (self.hooked and not self._step_seen)
+        self._step_seen = False
 
     def remove_hooks(self) -> None:
         handles, self._hooks = self._hooks, []

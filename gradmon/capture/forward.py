@@ -1,0 +1,213 @@
+"""The forward hooks of one monitor: the root module's, its top-level blocks' and, on the
+steps that read them, the layers'; what they record goes into the step's records
+(``StepRecords``), and the outputs they see mark where a backward will start.
+
+Tensor hooks on a layer's output rather than ``register_full_backward_hook``: a full
+backward hook wraps the output in a BackwardHookFunction, so an in-place op on it
+(``ReLU(inplace=True)`` after a Conv/BN, as in torchvision's ResNet) raises inside the
+user's forward, and under ``torch.compile`` one module backward hook makes the whole model
+run eagerly. A tensor hook registered before an in-place op receives the gradient of the
+value the layer returned, which is exactly gradient flow, and covers the same layers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .. import statistics as S
+from ..errors import ErrorLog
+from ..statistics import Statistic
+from .guard import Guards
+from .layers import Layer
+from .records import StepRecords, iter_tensors
+
+
+def _recomputed_twice() -> bool:
+    """A forward that activation checkpointing re-runs inside backward, whose original
+    was already measured. Non-reentrant checkpointing ran the original with grad
+    enabled (measured): skip the re-run. Reentrant checkpointing ran the original under
+    no_grad (skipped as an eval forward): its re-run, inside CheckpointFunctionBackward,
+    is the only training forward there is, so it is measured once, there."""
+    node = torch._C._current_autograd_node()
+    return node is not None and type(node).__name__ != "CheckpointFunctionBackward"
+
+
+def _compiling() -> bool:
+    # Under torch.compile the per-layer hooks are traced into the graph; a Python flag
+    # read there (detail_now) becomes a guard that recompiles every time it flips, and
+    # register_hook breaks the graph. So inside a compiled region they do nothing:
+    # dynamo folds this check to True and traces an empty hook.
+    return torch.compiler.is_compiling()
+
+
+class Forward:
+    """The forward hooks' entry points (``on_*``) and what they keep from one call to the
+    next: whether the root's forward is running, whether this step reads the layers
+    (``detail_now``), whether a hook ran inside a compiled region (``compiled``).
+
+    ``on_backward_start(grad)`` is hooked on the outputs a backward starts from (the
+    root's, or a top-level block's called alone); ``enter_backward()`` runs first in each
+    layer's gradient-flow hook."""
+
+    def __init__(self, statistics: Sequence[Statistic], records: StepRecords, guard: Guards, errors: ErrorLog,
+                 on_backward_start: Callable[[torch.Tensor], None], enter_backward: Callable[[], None]) -> None:
+        def at(moment: str) -> Tuple[Statistic, ...]:
+            return tuple(st for st in statistics if st.at == moment)
+        self._block, self._layer, self._grad_flow = bool(at(S.BLOCK)), bool(at(S.LAYER)), bool(at(S.OUTPUT_GRAD))
+        # a record at OUTPUT that flags a layer's non-finite values (the activation statistic)
+        self._output_has_extremes = any(st.origin == S.LAYER_FINITE.origin for st in at(S.OUTPUT))
+        self._batch_blocks = all(st.record_many is not None for st in at(S.BLOCK))
+        self._rec = records
+        self._guard = guard
+        self._errors = errors
+        self._on_backward_start = on_backward_start
+        self._enter_backward = enter_backward
+        self.active = True
+        self.detail_now = True
+        self.compiled = False  # a hook ran inside a compiled region: hooks stay as they are
+        self.blocks = 0  # the root module's direct children: BLOCK keys 1..blocks
+        self.layer_hooks: Optional[LayerHooks] = None  # set by HookSet.install
+        self._in_root = False  # inside the root's forward
+        self._defer_blocks = False  # this step's block checks wait for the end of the forward
+
+    def next_step(self, detail: bool) -> None:
+        """The next step reads the layers (a detail step) or not."""
+        self.detail_now = detail
+        # on a detail step a block that is a layer takes its extremes from its activation record
+        self._defer_blocks = self._batch_blocks and not detail
+
+    def want_layer_hooks(self) -> None:
+        """The layers' hooks registered for the next step if it reads them, else removed;
+        under torch.compile they stay (adding or removing one would recompile the model)."""
+        if self.layer_hooks is not None:
+            self.layer_hooks.want(self.detail_now or self._layer or self.compiled)
+
+    def _training_forward(self, module: nn.Module) -> bool:
+        return self.active and module.training and torch.is_grad_enabled() and not _recomputed_twice()
+
+    @torch._dynamo.disable
+    def on_root_forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A forward whose root never returned (it raised) left records: drop them. The
+        batch's own values are the first block record (key 0): a NaN that came with the
+        data is named ``input``, not blamed on the first layer that passed it on."""
+        if not self.active:
+            return
+        self._rec.drop_pending(*S.FORWARD)
+        self._rec.blocks.drop()
+        self._in_root = True
+        with self._guard("forward"):
+            self._rec.rows.start(module, args, kwargs)
+            if self._block and self._training_forward(module):
+                self._rec.record_values(S.BLOCK, 0, (args, kwargs))
+
+    def on_root_exit(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """The root's forward ended, returned or raised (``always_call``)."""
+        self._in_root = False
+
+    def on_block(self, block: int, layer: Optional[int], module: nn.Module, inputs: Any, output: Any) -> None:
+        """A top-level block returned: its check waits for the end of the forward on an
+        ordinary step (:class:`BlockChecks`), else one small reduction now. Called alone,
+        outside the root's forward, its output marks the start of the backward."""
+        if layer is not None:
+            self.on_forward(layer, module, inputs, output)
+        if torch.compiler.is_compiling():  # see _compiling; called directly: this runs per block per step
+            self.compiled = True
+            return
+        with self._guard("forward"):
+            if self._training_forward(module):
+                if not (self._defer_blocks and self._rec.blocks.defer(block, output)):
+                    self._rec.record_values(S.BLOCK, block, output)
+                if not self._in_root:
+                    self._watch_backward(output)
+
+    def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
+        if _compiling():
+            self.compiled = True
+            return
+        if not (self.detail_now or self._layer):
+            return
+        with self._guard("forward"):
+            if self._training_forward(module):
+                # on a detail step the activation record already holds the same extremes
+                if not (self.detail_now and self._output_has_extremes):
+                    self._rec.record_values(S.LAYER, layer, output)
+                if self.detail_now:
+                    self._rec.record_values(S.OUTPUT, layer, output,
+                                            self.on_grad_flow if self._grad_flow else None)
+
+    def on_grad_flow(self, layer: int, grad: torch.Tensor) -> None:
+        if not self.active or grad is None:
+            return
+        with self._guard("grad_flow"):
+            self._enter_backward()
+            values_of = self._rec.measurable(grad, S.OUTPUT_GRAD, layer)
+            if values_of is not None:
+                self._rec.record(S.OUTPUT_GRAD, layer, values_of, "grad_flow")
+
+    @torch._dynamo.disable
+    def on_root_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """Runs eagerly even when the model is compiled (a graph break after the whole
+        forward, not inside it), so end-of-backward measurement works under compile."""
+        if not self.active:
+            return
+        with self._guard("forward"):
+            self._rec.flush_blocks(self._record_root_output(module, output))
+            self._rec.end_of_pass()
+            self._rec.commit(self._rec.each(*S.FORWARD), "forward")
+            self._rec.rows.commit()
+        if not torch.is_grad_enabled():
+            return
+        try:
+            self._watch_backward(output)
+        except Exception as exc:
+            self._errors.record("backward", exc)
+
+    def _record_root_output(self, module: nn.Module, output: Any) -> Tuple[int, ...]:
+        """The root's output, the last block record; the keys that take the last block's
+        record as theirs instead (its output returned unchanged). A failure costs only this
+        record (counted)."""
+        try:
+            if self._block and self._training_forward(module):
+                last = self._rec.blocks.last()
+                if last is not None and output is last[1] and output._version == last[2]:
+                    return (self.blocks + 1,)
+                self._rec.record_values(S.BLOCK, self.blocks + 1, output)
+        except Exception as exc:
+            self._errors.record("forward", exc)
+        return ()
+
+    def _watch_backward(self, output: Any) -> None:
+        """The gradient of ``output`` is the first thing a backward through it computes."""
+        for t in iter_tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._on_backward_start)
+
+
+class LayerHooks:
+    """The layers' forward hooks, registered only for the steps that read them (detail
+    steps, or every step with ``origin_per_layer``): a module with a forward hook leaves
+    PyTorch's fast call path, which alone costs about a microsecond a call."""
+
+    def __init__(self, layers: Sequence[Layer], hook: Callable[..., None]) -> None:
+        self._layers = [(layer.index, weakref.ref(layer.module)) for layer in layers]
+        self._hook = hook
+        self._handles: List[Any] = []
+
+    def want(self, on: bool) -> None:
+        if on and not self._handles:
+            for index, ref in self._layers:
+                module = ref()
+                if module is not None:
+                    self._handles.append(module.register_forward_hook(partial(self._hook, index)))
+        elif not on and self._handles:
+            self.remove()
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
