@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -432,6 +432,48 @@ class Section:
     numels: Tuple[int, ...]
 
 
+class Block(NamedTuple):
+    """Where one part of a section lies in a packet: ``rows`` records of ``width`` columns,
+    row by row, from ``start``."""
+
+    start: int
+    rows: int
+    width: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.rows * self.width
+
+    def column(self, j: int) -> range:
+        """The positions of column ``j`` of the part, one per row."""
+        return range(self.start + j, self.stop, self.width)
+
+
+class PacketLayout(NamedTuple):
+    """Where everything lies in a step packet (:func:`layout`)."""
+
+    sections: Tuple[Tuple[Section, Tuple[Block, ...]], ...]
+    """Each section with its parts' blocks, in ``Statistic.parts`` order."""
+    scalars: Dict[str, int]
+    """The position of each step scalar."""
+    size: int
+
+
+def layout(sections: Sequence[Section], scalars: Sequence[str] = (), offset: int = 0) -> PacketLayout:
+    """A packet's layout, the one declaration its writer (``capture.writer``) and its
+    readers (:func:`read`, :func:`read_scalars`, ``incidents.steps``) take offsets from:
+    from ``offset``, the sections in order, each part an (n, part width) block row by row,
+    then one value per step scalar."""
+    placed: List[Tuple[Section, Tuple[Block, ...]]] = []
+    for section in sections:
+        blocks = []
+        for part in section.statistic.parts:
+            blocks.append(Block(offset, len(section.keys), len(part)))
+            offset = blocks[-1].stop
+        placed.append((section, tuple(blocks)))
+    return PacketLayout(tuple(placed), {name: offset + i for i, name in enumerate(scalars)}, offset + len(scalars))
+
+
 # Step scalars: one value per step each, after the sections, in the order the packet's
 # ``scalars`` names them. A name may be any string (one per value: a learning rate per
 # parameter group would be "lr/0", "lr/1"...); these are the ones gradmon writes.
@@ -460,25 +502,26 @@ def host_learning_rates(lrs: Sequence[Any]) -> Tuple[Optional[float], ...]:
 
 
 def read_scalars(values: Sequence[float], names: Sequence[str]) -> Dict[str, float]:
-    """The step scalars at the end of a packet: the one reader of what the hooks wrote after the sections."""
-    return dict(zip(names, values[len(values) - len(names):])) if names else {}
+    """The step scalars, the packet's last values (after its sections, whatever they are):
+    the one reader of what the hooks wrote after the sections."""
+    if not names:
+        return {}
+    placed = layout((), names, offset=len(values) - len(names))
+    return {name: values[i] for name, i in placed.scalars.items()}
 
 
 def read(values: Sequence[float], sections: Sequence[Section], offset: int = 0
          ) -> Iterator[Tuple[Statistic, Section, List[List[float]]]]:
     """Each section's statistic, and its records as rows of column values (in
     ``Statistic.columns`` order): the one reader of what the hooks wrote."""
-    for section in sections:
-        stat = section.statistic
-        n = len(section.keys)
-        rows: List[List[float]] = [[] for _ in range(n)]
-        for part in stat.parts:
-            w = len(part)
-            block = values[offset:offset + n * w]
-            for k in range(n):
-                rows[k].extend(block[k * w:(k + 1) * w])
-            offset += n * w
-        yield stat, section, rows
+    for section, blocks in layout(sections, offset=offset).sections:
+        rows: List[List[float]] = [[] for _ in section.keys]
+        for block in blocks:
+            part = values[block.start:block.stop]
+            w = block.width
+            for k in range(block.rows):
+                rows[k].extend(part[k * w:(k + 1) * w])
+        yield section.statistic, section, rows
 
 
 def merge_max(a: float, b: float) -> float:

@@ -3,6 +3,7 @@ publisher's reader (statistics.read, read_scalars) reads back."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gradmon import statistics as S
@@ -73,3 +74,31 @@ def test_a_step_without_values_leaves_the_packet_as_it_was():
     packet = blank()
     assert write(packet, (S.GRAD, S.GRAD_FLOW), {"grad_flow": _Records(keyed=False)}, {}, None,
                  [(S.SCALAR_LOSS, None)], ErrorLog("m"), sampled=False, detail=True) is packet
+
+
+# -- the layout writer and readers share --------------------------------------------------------
+
+def test_the_layout_places_each_part_of_each_section_then_the_scalars():
+    grad, flow_ = S.Section(S.GRAD, (4, 1), (9, 9)), S.Section(S.GRAD_FLOW, (0,), (3,))
+    placed = S.layout([grad, flow_], [S.SCALAR_LOSS, S.SCALAR_AMP_SCALE])
+    blocks = [tuple(b) for _, bs in placed.sections for b in bs]
+    assert blocks == [(0, 2, 3), (6, 1, 1), (7, 1, 2)]  # grad's one part; grad_flow's norm, then counts
+    assert placed.scalars == {S.SCALAR_LOSS: 9, S.SCALAR_AMP_SCALE: 10} and placed.size == 11
+
+
+def test_a_column_of_a_part_lies_every_width_values_from_its_first():
+    (_, (block,)), = S.layout([S.Section(S.GRAD, (4, 1, 2), (1, 1, 1))], offset=5).sections
+    assert list(block.column(1)) == [6, 9, 12] and block.stop == 14
+
+
+def test_the_packet_is_exactly_as_long_as_its_layout():
+    grad = (torch.tensor([[3.0, 0, 0], [4.0, 1, 0]]), (1, 0), (10, 20))
+    packet = write(blank(), (S.GRAD, S.GRAD_FLOW), {"grad_flow": flow((2, 5, 1.5, 0, 0))},
+                   {"grad": grad}, None, [(S.SCALAR_LOSS, torch.tensor(0.25))], ErrorLog("m"))
+    assert len(packet.data) == S.layout(packet.sections, packet.scalars).size
+
+
+def test_a_block_that_does_not_fit_its_place_in_the_layout_is_never_packed():
+    wrong = (torch.zeros(2, 4), (1, 0), (10, 20))  # four columns where GRAD declares three
+    with pytest.raises(ValueError, match="grad's block holds 8 values where the packet's layout has 2 x 3"):
+        write(blank(), (S.GRAD,), {}, {"grad": wrong}, None, [], ErrorLog("m"))

@@ -31,8 +31,9 @@ class RowBlock(NamedTuple):
 @dataclass(frozen=True)
 class StepPacket:
     """What one optimizer step measured, still in the packed device layout: the
-    records of each statistic in ``sections`` (laid out as ``statistics.read`` reads
-    them), then one value per name in ``scalars`` (``statistics.read_scalars``)."""
+    records of each statistic in ``sections``, then one value per name in ``scalars``,
+    where ``statistics.layout`` places them (read back by ``statistics.read`` and
+    ``statistics.read_scalars``)."""
 
     index: int
     global_step: int

@@ -1,7 +1,7 @@
 """The step packet's one writer: a step's records, section by section in table order, each
 part an (n, width) block, then the step scalars, packed into one vector on the device whose
-copy to the host starts at once. ``statistics.read`` and ``statistics.read_scalars`` read
-that layout on the publisher thread.
+copy to the host starts at once, where ``statistics.layout`` places them; ``statistics.read``
+and ``statistics.read_scalars`` read them back from the same layout on the publisher thread.
 """
 
 from __future__ import annotations
@@ -40,29 +40,41 @@ def write(packet: StepPacket, statistics: Sequence[Statistic], records: Mapping[
     """``packet`` with this step's values: every statistic's section (one that fails misses
     the step, counted, the others go on), then each named scalar present. A GradScaler's loss
     ``scale`` is divided out on the device, column by column. Nothing measured: ``packet``."""
-    parts: List[torch.Tensor] = []
-    sections: List[Section] = []
+    made: List[Tuple[Section, List[torch.Tensor]]] = []
     home: Optional[torch.device] = None
     inv = scale.double().reciprocal().reshape(()) if scale is not None else None
     for st in statistics:
         try:
-            made = _section(st, records, batched, home, inv, errors)
+            section = _section(st, records, batched, home, inv, errors)
         except Exception as exc:  # this statistic misses the step; the others are in the packet
             errors.record("step", exc)
             continue
-        if made is not None:
-            section, blocks, home = made
-            parts.extend(blocks)
-            sections.append(section)
+        if section is not None:
+            made.append(section[:2])
+            home = section[2]
     present = [(name, t) for name, t in scalars if t is not None]
     if present:
         home = home or present[0][1].device
-        parts.extend(t for _, t in present)
     if home is None:
         return packet
-    data, event = kernels.to_host(kernels.pack(parts, home))
-    return dataclasses.replace(packet, data=data, event=event, sections=tuple(sections),
-                               scalars=tuple(name for name, _ in present), sampled=sampled, detail=detail)
+    placed = S.layout([section for section, _ in made], [name for name, _ in present])
+    data, event = kernels.to_host(kernels.pack(_in_layout(placed, made, present), home))
+    return dataclasses.replace(packet, data=data, event=event, sections=tuple(section for section, _ in made),
+                               scalars=tuple(placed.scalars), sampled=sampled, detail=detail)
+
+
+def _in_layout(placed: S.PacketLayout, made: Sequence[Tuple[Section, List[torch.Tensor]]],
+               scalars: Sequence[Tuple[str, torch.Tensor]]) -> List[torch.Tensor]:
+    """The packet's parts in ``placed``'s order, each the size its place there has."""
+    parts: List[torch.Tensor] = []
+    for (section, blocks), (_, places) in zip(made, placed.sections):
+        for block, place in zip(blocks, places):
+            if block.numel() != place.rows * place.width:
+                raise ValueError(f"gradmon: {section.statistic.name}'s block holds {block.numel()} values "
+                                 f"where the packet's layout has {place.rows} x {place.width}")
+            parts.append(block)
+    parts.extend(t for _, t in scalars)
+    return parts
 
 
 def _section(st: Statistic, records: Mapping[str, Records], batched: Mapping[str, Batched],

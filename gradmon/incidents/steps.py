@@ -1,9 +1,9 @@
 """The kept steps as the bundle's arrays, decoded with tensor indexing.
 
-A step's packet is laid out section by section (``statistics.read`` is the one reader of
-that layout). The same few layouts come back step after step (ordinary, detail, optimizer
-steps), so each is read once, on the positions ``0..n-1`` instead of values: what comes
-back is, for every statistic's column, the positions of its values in the packet. Every
+A step's packet is laid out section by section (``statistics.layout``, which its writer and
+every reader share). The same few layouts come back step after step (ordinary, detail,
+optimizer steps), so each is read once: for every statistic's column, the positions of its
+values in the packet. Every
 kept step is then gathered with one indexing per column, not a Python loop per value: the
 bundle is built while the publisher holds its lock (scrapes wait for it).
 """
@@ -37,16 +37,17 @@ class Step:
 class Layout:
     """Where each statistic's column lies in the packets of one layout."""
 
-    def __init__(self, sections: Sequence[S.Section], size: int) -> None:
+    def __init__(self, sections: Sequence[S.Section]) -> None:
         self.columns: Dict[str, Tuple[S.Statistic, Tuple[int, ...], torch.Tensor]] = {}
         self.grad_norm: Optional[str] = None  # the column of the statistic that declares the global norm
-        for stat, section, rows in S.read(range(size), sections):
-            for j, column in enumerate(stat.columns):
-                name = f"stat.{stat.name}.{column.name}"
-                self.columns[name] = (stat, tuple(section.keys),
-                                      torch.tensor([row[j] for row in rows], dtype=torch.int64))
-                if stat.histogram is not None and column.fold == S.NORM and self.grad_norm is None:
-                    self.grad_norm = name
+        for section, blocks in S.layout(sections).sections:
+            stat = section.statistic
+            for part, block in zip(stat.parts, blocks):
+                for j, column in enumerate(part):
+                    name = f"stat.{stat.name}.{column.name}"
+                    self.columns[name] = (stat, tuple(section.keys), torch.tensor(block.column(j), dtype=torch.int64))
+                    if stat.histogram is not None and column.fold == S.NORM and self.grad_norm is None:
+                        self.grad_norm = name
 
     @staticmethod
     def key(step: Step) -> Tuple[Any, ...]:
@@ -66,7 +67,7 @@ def decode(steps: Sequence[Step], layers: int, param_layer: Sequence[int]
             return None
         key = Layout.key(s)
         if key not in layouts:
-            layouts[key] = Layout(s.sections, len(s.data))
+            layouts[key] = Layout(s.sections)
         return layouts[key]
     of_step = [layout_of(s) for s in steps]
     arrays: Dict[str, torch.Tensor] = {
