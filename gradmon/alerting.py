@@ -1,14 +1,10 @@
-"""One definition of every threshold, alert, recording rule and dashboard.
+"""One definition of every alert, recording rule and dashboard (build time).
 
 The Prometheus rule file, the Kubernetes PrometheusRule, the Grafana-managed alert
-rules and the dashboards' threshold lines are all generated from this module, so they
-cannot drift apart. ``python -m gradmon.alerting write`` regenerates the committed
-files; ``python -m gradmon.alerting check`` fails if they differ from what this module
-generates (the tests run it).
-
-Time scales: :data:`PRODUCTION` is what ships. The end-to-end tests use
-``PRODUCTION.scaled(1/60)``: every window and ``for`` of the same rules, a minute
-becoming a second, never a hand-copied second rule file.
+rules and the dashboards' threshold lines are all generated from this module and the
+numbers in ``thresholds``, so they cannot drift apart. ``python -m gradmon.alerting write``
+regenerates the committed files; ``python -m gradmon.alerting check`` fails if they differ
+from what this module generates (the tests run it). Nothing at runtime imports this module.
 """
 
 from __future__ import annotations
@@ -16,109 +12,21 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import metrics as M
+from .thresholds import PRODUCTION, TEST_SCALE, Thresholds, Timing, dur  # noqa: F401  (public here too)
 
 RUNBOOK = "https://github.com/gradmon/gradmon/blob/main/docs/runbook.md"
 TARGET = "job, instance, model, rank"  # the labels that identify one monitored model on one rank
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """The numbers behind the alerts; dashboards draw the same values as threshold lines."""
-
-    warmup_steps: int = 100
-    """Steps after attach that neither page nor enter a baseline: warm-up spikes are normal."""
-    explode_abs: float = 1000.0
-    """Pre-clip global norm that pages whatever the model's baseline."""
-    explode_jump: float = 100.0
-    """A global norm this many times its own recent median pages, even below explode_abs..."""
-    explode_floor: float = 0.01
-    """...as long as it is above this floor (a jump from 1e-6 to 1e-4 is not an explosion)."""
-    vanish_abs: float = 1e-8
-    """A layer gradient norm below this is vanishing whatever its history."""
-    vanish_rel: float = 1e-4
-    """A layer gradient norm below this fraction of its own recent median is vanishing."""
-    activation_abs_max: float = 3.0e4
-    """max|x| of an activation near fp16's 65504 overflows at the next multiply."""
-    divergence_factor: float = 10.0
-    """A rank's local (pre-all-reduce) norm this many times the ranks' median (or, with two
-    ranks, the other rank's) is diverging."""
-    stall_seconds: float = 600.0
-    """No optimizer step for this long, while the run state is "training", is a stall."""
-    amp_skip_fraction: float = 0.5
-    """fp16 loss scaling skips an overflow step now and then; skipping more than this
-    fraction of steps means the scale is collapsing and the run is not learning."""
-    amp_min_loss_scale: float = 1.0
-    """A loss scale below this has given up on fp16's range."""
-    spike_hold_steps: int = 50
-    """Steps a spike keeps its warning firing, counted in the process (the same at any
-    step rate)."""
-    norm_baseline_ratio: float = 4.0
-    """A layer's gradient norm this many times the median of its own last norm_baseline
-    sampled steps, sustained (``norm_ratio_for``), is the warning tier. Not 3: the small
-    LayerNorm layers of gradmon's own healthy demo reach 3.1x for a few dozen steps early
-    in training."""
-    update_baseline_ratio: float = 10.0
-    """A layer's update-to-weight ratio this many times its own baseline (its median of
-    the last update_baseline readings): the layer moves an order of magnitude faster
-    than it did at the same learning rate."""
-    adam_rms_spike: float = 3.0
-    """Adam's RMS_t of g/sqrt(v̂) is about 1 for a gradient as large as its history; this
-    many times that means a gradient spike the second moment has not caught up with (the
-    instability StableAdamW clips; the bound is (1-β2)^(-1/2), 31.6 at β2=0.999, 4.5 at 0.95)."""
-    fp16_min_headroom: float = 2.0
-    """A float16 tensor whose max |x| is within this factor of 65504 is one doubling from
-    overflow. The gradient's headroom is the GradScaler's job where one is given (it
-    raises the scale until overflow on purpose): only a scaler-less gradient pages."""
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Windows and ``for`` durations, in seconds."""
-
-    nonfinite_window: float = 300
-    explode_for: float = 60
-    baseline_window: float = 1800
-    baseline_offset: float = 300
-    vanish_for: float = 600
-    activation_for: float = 120
-    stall_for: float = 60
-    down_for: float = 60
-    history_window: float = 3600
-    """How far back a vanished rank or a finished run is remembered."""
-    divergence_for: float = 300
-    amp_window: float = 600
-    amp_for: float = 600
-    event_window: float = 120
-    """Range that holds the last two scrapes (``idelta``: what moved since the previous
-    scrape): at least twice the scrape interval, Prometheus' default 1m included."""
-    norm_ratio_for: float = 120
-    update_ratio_for: float = 60
-    fp16_for: float = 120
-    lr_zero_for: float = 600
-
-    def scaled(self, factor: float) -> "Timing":
-        return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self)})
-
-
-PRODUCTION = Timing()
-TEST_SCALE = 1 / 60
 
 
 def _s(spec: M.MetricSpec) -> str:
     """A metric's sample name as PromQL reads it (a counter's ends in _total). Every name a
     rule or panel uses comes from the metric contract, so a rename cannot leave one behind."""
     return M.exposed_names(spec)[0]
-
-
-def dur(seconds: float) -> str:
-    """A Prometheus duration: whole minutes as "5m", anything else in seconds."""
-    s = int(round(seconds))
-    return f"{s // 60}m" if s >= 60 and s % 60 == 0 else f"{max(s, 1)}s"
 
 
 # -- recording rules -------------------------------------------------------------------------------

@@ -24,10 +24,7 @@ def _load_sizes():
 sizes = _load_sizes()
 
 # (importer, imported) pairs that point the wrong way today, each with the change that removes it.
-KNOWN = {
-    ("gradmon.clients.top", "gradmon.alerting"),  # moved with issue 23's thresholds
-    ("gradmon.clients.demo", "gradmon.alerting"),  # moved with issue 23's thresholds
-}
+KNOWN: set = set()  # wrong-way imports tolerated for now: none
 
 
 def _wrong_way(root: Path = sizes.PACKAGE):

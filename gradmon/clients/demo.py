@@ -300,7 +300,7 @@ def _times(ratio: Optional[float]) -> str:
 
 class ExplosionWatch:
     """Gradient explosions as the GradmonGradientExplosion alert defines them, with its
-    thresholds (``alerting.Thresholds``) counted in steps where the rule counts minutes:
+    thresholds (``thresholds.Thresholds``) counted in steps where the rule counts minutes:
     after ``warmup_steps``, a pre-clip global norm above ``explode_abs``, or above
     ``explode_floor`` and ``explode_jump`` times the median of the last :attr:`BASELINE`
     steps before it. A run of such steps is one explosion, from its onset to the first
@@ -310,7 +310,7 @@ class ExplosionWatch:
     MIN_BASELINE = 8
 
     def __init__(self) -> None:
-        from gradmon.alerting import Thresholds
+        from gradmon.thresholds import Thresholds
 
         self.th = Thresholds()
         self.baseline: Deque[float] = deque(maxlen=self.BASELINE)
@@ -419,7 +419,7 @@ class Report:
 def sources(reports: Sequence[Report]) -> List[str]:
     """Which rank a fault came from, from every rank's own gradient before the all-reduce:
     after it, every rank holds the same (bad) gradient."""
-    from gradmon.alerting import Thresholds
+    from gradmon.thresholds import Thresholds
 
     out = []
     steps = sorted({step for r in reports for step, _, _ in r.incidents})

@@ -3,7 +3,7 @@
 It reads ``/metrics`` as Prometheus would (basic auth, TLS and mTLS included), keeps a
 short history in memory for the step rate and the global norm's sparkline, and runs the
 instant-threshold part of the alert rules locally, with the thresholds of
-:class:`gradmon.alerting.Thresholds`. Those are local checks, not the alerts: the rules'
+:class:`gradmon.thresholds.Thresholds`. Those are local checks, not the alerts: the rules'
 ``for`` durations, 30-minute baselines and cross-rank comparisons need Prometheus.
 
 The endpoint is a network peer and may be hostile: it is read through :mod:`gradmon.fetch`
@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from . import fetch
 from .. import metrics as M
-from ..alerting import PRODUCTION, Thresholds, dur
+from ..thresholds import PRODUCTION, Thresholds, dur
 from .fetch import mask_credentials
 from .sanitize import clean
 
