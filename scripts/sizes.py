@@ -38,6 +38,8 @@ RULES = (
     Rule("gradmon.serve", ("gradmon.capture",),
          "a scrape reads the published snapshot, never the training thread's live objects"),
     Rule("gradmon", BUILD_TIME, "rules and dashboards are generated at build time; nothing at runtime imports them"),
+    Rule("gradmon.artefacts", PUBLISHER + ("gradmon.capture", "gradmon.serve", "gradmon.clients", "gradmon.monitor"),
+         "the generators read the shared declarations (metrics, thresholds, statistics), never a running thread's code"),
 )
 
 

@@ -1,6 +1,6 @@
-"""The package layout says which thread runs what (gradmon/capture, serve, clients: their
-__init__ docstrings), and imports go one way between them: checked on the source with ``ast``
-by scripts/sizes.py, which prints the same findings."""
+"""The package layout says which thread runs what (gradmon/capture, serve, clients, and the
+build-time artefacts: their __init__ docstrings), and imports go one way between them:
+checked on the source with ``ast`` by scripts/sizes.py, which prints the same findings."""
 
 from __future__ import annotations
 
@@ -65,6 +65,35 @@ def test_the_check_finds_a_runtime_module_importing_the_build_time_generators(tm
     assert [str(i) for i, _ in sizes.wrong_way(sizes.imports(root))] == ["gradmon.ui:1 imports gradmon.alerting"]
 
 
+@pytest.mark.parametrize("importer, statement", [
+    ("serve/exporter.py", "from ..artefacts import rules"),
+    ("capture/hooks.py", "from ..artefacts.rules import alerts"),
+    ("clients/top.py", "import gradmon.artefacts.rules"),
+    ("monitor.py", "from .artefacts import rules"),
+    ("snapshot.py", "from gradmon import artefacts"),
+])
+def test_the_check_finds_a_runtime_package_importing_the_artefacts_package(tmp_path, importer, statement):
+    root = _package(tmp_path, {importer: f"def f():\n    {statement}\n", "clients/__init__.py": "",
+                               "artefacts/__init__.py": "", "artefacts/rules.py": ""})
+    found = sizes.wrong_way(sizes.imports(root))
+    assert [(i.imported.split(".")[:2], r.importer) for i, r in found] == [(["gradmon", "artefacts"], "gradmon")]
+
+
+def test_the_alerting_shim_and_the_artefacts_package_may_import_the_generators_and_the_shared_declarations(tmp_path):
+    root = _package(tmp_path, {
+        "alerting.py": "from .artefacts.rules import alerts\nfrom .thresholds import Thresholds\n",
+        "artefacts/__init__.py": "", "artefacts/rules.py": "from . import names\nfrom .. import metrics, thresholds\n",
+        "artefacts/names.py": "", "metrics.py": "", "thresholds.py": ""})
+    assert sizes.wrong_way(sizes.imports(root)) == []
+
+
+def test_the_check_finds_the_artefacts_package_importing_a_running_thread_s_code(tmp_path):
+    root = _package(tmp_path, {"artefacts/__init__.py": "", "artefacts/rules.py": "from ..serve import exporter\n",
+                               "serve/exporter.py": ""})
+    assert [(str(i), r.importer) for i, r in sizes.wrong_way(sizes.imports(root))] == [
+        ("gradmon.artefacts.rules:1 imports gradmon.serve.exporter", "gradmon.artefacts")]
+
+
 def test_the_check_follows_a_compatibility_shim_to_the_module_it_stands_for(tmp_path):
     shim = "import sys\n\nfrom .serve import run_end\n\nsys.modules[__name__] = run_end\n"
     root = _package(tmp_path, {"run_end.py": shim, "serve/run_end.py": "",
@@ -80,7 +109,7 @@ def test_the_check_lets_capture_import_its_own_modules_and_the_shared_declaratio
 
 
 def test_every_thread_package_says_in_its_docstring_which_thread_runs_it_and_what_it_may_import():
-    for package in ("capture", "serve", "clients"):
+    for package in ("capture", "serve", "clients", "artefacts"):
         doc = (sizes.PACKAGE / package / "__init__.py").read_text()
         docstring = doc.split('"""')[1] if doc.startswith('"""') else ""
         assert "\nMay import: " in docstring and ("thread" in docstring or "process" in docstring), package
