@@ -287,7 +287,7 @@ def test_a_numpy_integer_is_a_step_number(attach):
 
 def test_carried_counters_are_bounded_and_a_dropped_series_ends_rather_than_restarting_at_zero(attach, monkeypatch):
     from gradmon import monitor
-    from gradmon.snapshot import CarriedCounters
+    from gradmon.aggregate import CarriedCounters
     monkeypatch.setattr(monitor, "_CARRIED", CarriedCounters(most=3))
     model = nn.Sequential(nn.Linear(4, 2))
     for run in range(5):  # a sweep: each trial under its own label

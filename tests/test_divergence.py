@@ -15,9 +15,9 @@ from typing import List, Optional, Tuple
 import pytest
 
 from gradmon import metrics as M
-from gradmon.divergence import (SIGNAL_LOSS_CREEP, SIGNAL_LOSS_SUSTAINED, SIGNAL_NONFINITE_LOSS,
+from gradmon.aggregate.divergence import (SIGNAL_LOSS_CREEP, SIGNAL_LOSS_SUSTAINED, SIGNAL_NONFINITE_LOSS,
                                 DivergenceSettings, DivergenceWatch)
-from gradmon.spikes import SpikeTracker
+from gradmon.aggregate.spikes import SpikeTracker
 
 LAYER = M.SIGNAL_LAYER_GRAD_NORM
 JUMP_AT, JUMP_STEPS = 300, 9

@@ -16,10 +16,10 @@ import torch
 
 from browser import Browser, png_colors
 from conftest import scrape, sgd_steps, tiny, value
-from gradmon import history as H
+from gradmon.aggregate import history as H
 from gradmon.serve import ui
 from gradmon.serve.server import UI_BURST, UI_RATE
-from gradmon.snapshot import Snapshot
+from gradmon.aggregate import Snapshot
 from servers import free_port, running_demo
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gradmon.spikes import SpikeDetector, SpikeTracker, lr_jumped
+from gradmon.aggregate.spikes import SpikeDetector, SpikeTracker, lr_jumped
 
 
 def _warmup_cosine(t: int, steps: int = 2000, warmup: int = 100) -> float:

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 import gradmon
 from gradmon import monitor as _monitor
 from gradmon import statistics as S
-from gradmon.packet import StepPacket
+from gradmon.capture.packet import StepPacket
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402

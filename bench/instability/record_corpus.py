@@ -33,7 +33,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import gradmon
-from gradmon.packet import StepPacket
+from gradmon.capture.packet import StepPacket
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402

@@ -28,7 +28,7 @@ from . import process, tls, ui
 from ..config import Config, utf8_text
 from ..errors import ErrorLog
 from .server import CachedExposition, MetricsServer
-from ..snapshot import Snapshot
+from ..aggregate.snapshot import Snapshot
 
 log = logging.getLogger("gradmon")
 

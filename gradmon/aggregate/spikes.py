@@ -1,0 +1,251 @@
+"""In-process spike detection: a one-step spike counts even if no scrape sees it.
+
+A Prometheus gauge sampled every 15-30 s misses a loss or gradient-norm spike that lasts
+one step; a counter incremented here, on the publisher thread, from every step's host
+values, does not (``increase()`` over any window). Nothing here runs on the training
+thread or touches a tensor.
+
+The score is one-sided and robust (after OLMo-core's stability monitor): against the
+last ``window`` accepted values, with a robust linear trend removed so that a loss that
+falls steadily or a norm that rises steadily is not a spike,
+
+    score = max(0, (y - trend(t)) / max(1.4826 * MAD(residuals), floor))
+
+where ``y`` is ln(value) (a ratio is what matters for a norm or a positive loss) and the
+trend is the line through the medians of the window's two halves, anchored at the median
+residual. A step is a spike when its score is above the threshold *and* its value is
+above twice the window's median (in log units: ln 2 above the median of the logs), so a
+very quiet series cannot turn a 10 % wobble into a spike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
+
+MAD_TO_SIGMA = 1.4826
+"""MAD times this estimates a normal distribution's standard deviation."""
+
+LOG_FLOOR = 0.05
+"""Smallest scale, in ln units (5 %): a series quieter than this (a loss on a memorized
+batch, a norm of a frozen model) would otherwise score noise as a spike."""
+
+LN2 = math.log(2.0)
+
+
+class Verdict(NamedTuple):
+    score: float
+    spike: bool
+
+
+@dataclass
+class SpikeDetector:
+    """The robust score of one series, one value per step. Pure: no clock, no tensor.
+
+    ``update`` returns None for a value it does not score: a non-finite one (the
+    non-finite counters' business: it never enters the window), a non-positive one on a
+    log scale, and any value while fewer than ``min_steps`` earlier values are in the
+    window. ``raw_below_zero``: a series that may legitimately go to zero or below (the
+    loss of some objectives) is scored on raw values from its first non-positive value
+    on, with ``floor`` in its own units and "twice the median" read as "above the median
+    by its magnitude"; otherwise (a norm) such values are skipped."""
+
+    window: int = 128
+    min_steps: int = 32
+    threshold: float = 6.0
+    floor: float = LOG_FLOOR
+    raw_below_zero: bool = False
+
+    def __post_init__(self) -> None:
+        if not 4 <= self.min_steps <= self.window:
+            raise ValueError(f"min_steps must be in 4..window, got {self.min_steps} (window {self.window})")
+        self.log_scale = True
+        # one value per accepted step, oldest first: position i is step i of the window
+        self._values: Deque[float] = deque(maxlen=self.window)
+
+    def restart(self) -> None:
+        """Forget the window: what came before (another run, another learning rate) is no baseline."""
+        self._values.clear()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def update(self, value: float) -> Optional[Verdict]:
+        if not math.isfinite(value):
+            return None
+        if self.log_scale and value <= 0:
+            if not self.raw_below_zero:
+                return None
+            self.log_scale = False  # for good: this objective is not a positive quantity
+            self.restart()
+        y = math.log(value) if self.log_scale else value
+        verdict = self._score(y) if len(self._values) >= self.min_steps else None
+        self._values.append(y)
+        return verdict
+
+    def _score(self, y: float) -> Verdict:
+        ys = list(self._values)
+        n, half = len(ys), len(ys) // 2
+        # the halves' middle steps are n - half apart
+        slope = (median(ys[-half:]) - median(ys[:half])) / (n - half)
+        residuals = [v - slope * i for i, v in enumerate(ys)]
+        level = median(residuals)
+        scale = max(MAD_TO_SIGMA * median([abs(r - level) for r in residuals]), self.floor)
+        score = max(0.0, (y - (level + slope * n)) / scale)  # this step is step n of the window
+        mid = median(ys)
+        above = y - mid > (LN2 if self.log_scale else abs(mid))
+        return Verdict(score, score > self.threshold and above)
+
+
+class LayerBaselines:
+    """A robust, adaptive baseline of each layer's value on a log scale: an exponentially
+    weighted mean of ln(value) and of its absolute deviation, over about ``window`` steps.
+
+    The spread adapts (a layer whose norm swings 3x from batch to batch needs a larger
+    jump than one that moves by 5 %), which a fixed ratio to a median cannot do. A value
+    scores against the baseline before it enters it; an outlier enters clipped to the
+    baseline's edge, so a spike lasting a few steps does not drag the baseline up behind
+    it, while a lasting change of level is followed within a window. A layer is a spike
+    at a score above ``threshold`` that is also at least ``min_ratio`` times its baseline."""
+
+    def __init__(self, window: int = 128, min_steps: int = 32, threshold: float = 6.0,
+                 min_ratio: float = 3.0) -> None:
+        self.alpha = 2.0 / (window + 1)
+        self.min_steps = min_steps
+        self.threshold = threshold
+        self.log_ratio = math.log(min_ratio)
+        self._state: Dict[int, List[float]] = {}  # layer -> [values seen, mean, mean absolute deviation]
+
+    def restart(self) -> None:
+        self._state.clear()
+
+    def update(self, layer: int, value: float) -> Optional[Verdict]:
+        if not math.isfinite(value) or value <= 0:
+            return None
+        y = math.log(value)
+        state = self._state.get(layer)
+        if state is None:
+            self._state[layer] = [1.0, y, 0.0]
+            return None
+        n, mean, dev = state
+        # the first steps average plainly: an exponential weight on one value is no baseline
+        rate = max(self.alpha, 1.0 / (n + 1))
+        scale = max(MAD_TO_SIGMA * dev, LOG_FLOOR)
+        verdict = None
+        if n >= self.min_steps:
+            score = max(0.0, (y - mean) / scale)
+            verdict = Verdict(score, score > self.threshold and y - mean >= self.log_ratio)
+        edge = 3.0 * scale
+        clipped = min(max(y, mean - edge), mean + edge) if n >= self.min_steps else y
+        state[0] = n + 1
+        state[1] = mean + rate * (clipped - mean)
+        state[2] = dev + rate * (abs(clipped - mean) - dev)
+        return verdict
+
+
+def lr_jumped(prev: float, cur: float) -> bool:
+    """A learning rate that changed by more than a factor 2 in one step, or left or
+    reached 0: the series' baseline moves with it. A linear warm-up from 0 changes by 2x
+    only at its first steps, before the window scores anything."""
+    if prev == cur:
+        return False
+    if prev <= 0 or cur <= 0:
+        return True
+    return max(prev, cur) > 2 * min(prev, cur)
+
+
+class SpikeTracker:
+    """The detectors of one monitor, one per ``signal``, their last scores and spike counts.
+
+    ``new_step`` is called once per step before the step's values: the windows restart
+    when the global step goes backwards or jumps by more than a window (a resumed run)
+    and when any parameter group's learning rate jumps (see :func:`lr_jumped`)."""
+
+    def __init__(self, signals: Sequence[str], threshold: float = 6.0, window: int = 128,
+                 min_steps: int = 32, raw_below_zero: Iterable[str] = (),
+                 layers: Optional[Mapping[str, float]] = None) -> None:
+        """``layers``: signals scored per layer (:class:`LayerBaselines`), each with its
+        minimum ratio to the layer's baseline."""
+        raw = frozenset(raw_below_zero)
+        self.layers: Dict[str, LayerBaselines] = {
+            s: LayerBaselines(window, min_steps, threshold, ratio) for s, ratio in (layers or {}).items() if s in signals}
+        self.detectors: Dict[str, SpikeDetector] = {
+            s: SpikeDetector(window, min_steps, threshold, raw_below_zero=s in raw) for s in signals
+            if s not in self.layers}
+        self.scores: Dict[str, float] = {}
+        self.spikes: Dict[str, int] = {s: 0 for s in signals}
+        self.last: Dict[str, int] = {}  # signal -> the step count (``steps``) of its last spike
+        self.this_step: Set[str] = set()  # the signals that spiked in the current step
+        self.steps = 0  # calls of new_step: steps, counted the same way for every signal
+        self.restarts = 0
+        self.resumed = False  # whether the current step restarted the windows as a resumed run
+        self._window = window
+        self._step: Optional[int] = None
+        self._lrs: Tuple[Optional[float], ...] = ()
+
+    def restart(self) -> None:
+        self.restarts += 1
+        for d in self.detectors.values():
+            d.restart()
+        for layers in self.layers.values():
+            layers.restart()
+
+    def new_step(self, global_step: int, learning_rates: Sequence[Optional[float]] = ()) -> None:
+        """``learning_rates``: per parameter group, None where unknown; () when the step
+        says nothing about them (a skipped or a manual step): the last known ones stay."""
+        prev, self._step = self._step, global_step
+        self.steps += 1
+        self.this_step = set()
+        self.resumed = prev is not None and not 0 <= global_step - prev <= self._window
+        resumed = self.resumed
+        jumped = False
+        if learning_rates:
+            lrs, self._lrs = self._lrs, tuple(learning_rates)
+            jumped = len(lrs) == len(self._lrs) and any(
+                a is not None and b is not None and lr_jumped(a, b) for a, b in zip(lrs, self._lrs))
+        if resumed or jumped:
+            self.restart()
+
+    def relabel(self, global_step: int) -> None:
+        """The last step's number, as the training corrected it (``monitor.step(n)``)."""
+        self._step = global_step
+
+    def observe(self, signal: str, value: float) -> None:
+        detector = self.detectors.get(signal)
+        if detector is None:
+            return
+        verdict = detector.update(value)
+        if verdict is not None:
+            self.scores[signal] = verdict.score
+            self._count(signal, verdict.spike)
+
+    def observe_layers(self, signal: str, values: Mapping[int, Optional[float]]) -> None:
+        """One step's value of each layer of a layer signal (a gradient norm per layer):
+        a spike step when any layer is a spike against its own baseline."""
+        layers = self.layers.get(signal)
+        if layers is None:
+            return
+        verdicts = [layers.update(layer, v) for layer, v in values.items() if v is not None]
+        scored = [v for v in verdicts if v is not None]
+        if scored:
+            self.scores[signal] = max(v.score for v in scored)
+            self._count(signal, any(v.spike for v in scored))
+
+    def _count(self, signal: str, spike: bool) -> None:
+        if spike:
+            self.spikes[signal] += 1
+            self.last[signal] = self.steps
+            self.this_step.add(signal)
+
+    def steps_since(self) -> Dict[str, int]:
+        """Steps since each signal's last spike step (0: this step); signals that never spiked are absent."""
+        return {signal: self.steps - at for signal, at in self.last.items()}
+
+    def resume(self, spikes: Mapping[str, int]) -> None:
+        """Continue an earlier monitor's counts (same model name and labels)."""
+        for signal, n in spikes.items():
+            if signal in self.spikes:
+                self.spikes[signal] += n
