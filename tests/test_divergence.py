@@ -16,7 +16,7 @@ import pytest
 
 from gradmon import metrics as M
 from gradmon.aggregate.divergence import (SIGNAL_LOSS_CREEP, SIGNAL_LOSS_SUSTAINED, SIGNAL_NONFINITE_LOSS,
-                                DivergenceSettings, DivergenceWatch)
+                                          DivergenceSettings, DivergenceWatch)
 from gradmon.aggregate.spikes import SpikeTracker
 
 LAYER = M.SIGNAL_LAYER_GRAD_NORM

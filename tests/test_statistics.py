@@ -187,15 +187,15 @@ def test_padded_rows_match_pad_sequence():
 
 
 def test_a_worst_layer_gauge_keeps_its_name_through_near_ties_and_names_none_when_calm():
-    from gradmon.snapshot import Aggregator
+    from gradmon.aggregate.snapshot import WorstNames
 
-    agg = Aggregator(["a", "b", "c"], [0, 1, 2], (S.GRAD,), "m")
+    names = WorstNames()
     gauge = S.LayerGauge(M.ACTIVATION_ABS_MAX_WORST, lambda c: c["norm"], worst=M.ACTIVATION_ABS_MAX_WORST)
-    assert agg._worst_layer(gauge, [1.0, 3.0, 2.9]) == (1, 3.0)
-    assert agg._worst_layer(gauge, [1.0, 3.0, 3.5]) == (1, 3.5)  # b keeps the name; the value is the largest
-    assert agg._worst_layer(gauge, [1.0, 3.0, 4.0]) == (2, 4.0)  # 4 > 1.25 x 3: c takes the name
-    assert agg._worst_layer(gauge, [None, float("nan"), None]) is None
+    assert names.pick(gauge, [1.0, 3.0, 2.9]) == (1, 3.0)
+    assert names.pick(gauge, [1.0, 3.0, 3.5]) == (1, 3.5)  # b keeps the name; the value is the largest
+    assert names.pick(gauge, [1.0, 3.0, 4.0]) == (2, 4.0)  # 4 > 1.25 x 3: c takes the name
+    assert names.pick(gauge, [None, float("nan"), None]) is None
     floor = S.LayerGauge(M.LOCAL_GRAD_NORM_RATIO_WORST, lambda c: c["norm"], worst=M.LOCAL_GRAD_NORM_RATIO_WORST,
                          worst_floor=2.0)
-    assert agg._worst_layer(floor, [1.1, 1.3, None]) == (None, 1.3)  # calm: no layer named
-    assert agg._worst_layer(floor, [1.1, 5.0, None]) == (1, 5.0)
+    assert names.pick(floor, [1.1, 1.3, None]) == (None, 1.3)  # calm: no layer named
+    assert names.pick(floor, [1.1, 5.0, None]) == (1, 5.0)

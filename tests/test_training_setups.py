@@ -185,11 +185,11 @@ def test_a_nan_on_an_unsampled_step_still_reaches_the_counters(attach):
 
 
 def test_a_failing_publisher_fold_counts_the_error_and_keeps_every_step(attach, monkeypatch):
-    from gradmon import snapshot
+    from gradmon.aggregate import Aggregator
 
     model = nn.Sequential(nn.Linear(4, 4))
     mon = attach(model)
-    real = snapshot.Aggregator._fold
+    real = Aggregator._fold
     calls = {"n": 0}
 
     def flaky(self, *args):
@@ -198,7 +198,7 @@ def test_a_failing_publisher_fold_counts_the_error_and_keeps_every_step(attach, 
             raise RuntimeError("injected")
         return real(self, *args)
 
-    monkeypatch.setattr(snapshot.Aggregator, "_fold", flaky)
+    monkeypatch.setattr(Aggregator, "_fold", flaky)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     for _ in range(4):
         model(torch.randn(2, 4)).sum().backward()
