@@ -202,3 +202,23 @@ def test_per_layer_series_carry_each_layers_gauges_counters_and_the_ranks_sum():
     assert norms.values == (("a", 3.0), ("b", 4.0))
     assert parts.counters[0].values == (("a", "nan", 1), ("a", "inf", 0), ("b", "nan", 2), ("b", "inf", 3))
     assert [(r.kind, r.count) for r in parts.rank_nonfinite] == [("nan", 3), ("inf", 3)]
+
+
+# -- the old flat names -------------------------------------------------------------------
+
+def test_the_flat_module_names_are_the_aggregate_modules_themselves():
+    import gradmon.aggregate
+    import gradmon.aggregate.divergence
+    import gradmon.aggregate.history
+    import gradmon.aggregate.spikes
+    import gradmon.divergence
+    import gradmon.history
+    import gradmon.snapshot
+    import gradmon.spikes
+
+    assert gradmon.snapshot is gradmon.aggregate
+    assert gradmon.spikes is gradmon.aggregate.spikes
+    assert gradmon.divergence is gradmon.aggregate.divergence
+    assert gradmon.history is gradmon.aggregate.history
+    assert {"Aggregator", "CarriedCounters", "Coverage", "NonFiniteIncident", "Publisher", "Snapshot"} <= set(
+        vars(gradmon.snapshot))
