@@ -5,6 +5,8 @@ checked on the source with ``ast`` by scripts/sizes.py, which prints the same fi
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -113,3 +115,20 @@ def test_every_thread_package_says_in_its_docstring_which_thread_runs_it_and_wha
         doc = (sizes.PACKAGE / package / "__init__.py").read_text()
         docstring = doc.split('"""')[1] if doc.startswith('"""') else ""
         assert "\nMay import: " in docstring and ("thread" in docstring or "process" in docstring), package
+
+
+def test_gradmon_alerting_is_a_shim_whose_names_are_the_artefacts_package_s_own_objects():
+    from gradmon import alerting, artefacts  # noqa: F401  (artefacts: its modules are what the shim names)
+
+    defined_in_shim = [name for name in alerting.__all__ if getattr(getattr(alerting, name), "__module__", "")
+                       == "gradmon.alerting"]
+    assert defined_in_shim == []
+    assert alerting.rule_groups is sys.modules["gradmon.artefacts.rules"].rule_groups
+
+
+def test_python_m_gradmon_alerting_check_runs_from_the_shim_against_the_repository(tmp_path):
+    """The default root is the repository holding deploy/ and dashboards/, found from the
+    generator's own file wherever the command is run."""
+    done = subprocess.run([sys.executable, "-m", "gradmon.alerting", "check"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
