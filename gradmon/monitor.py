@@ -1,8 +1,10 @@
 """``attach()`` and the :class:`Monitor` handle that owns everything it started.
 
 attach validates its input (every mistake is a TypeError/ValueError here, never an
-error at training time), finds the layers, installs the hooks, starts the publisher
-thread and joins or starts the exporter endpoint. ``detach()`` undoes all of it.
+error at training time), has what it runs built (``wiring``: layers, recorder,
+aggregator), continues the counters of an earlier monitor of the same name (``carry``),
+joins or starts the exporter endpoint (``serving``), installs the hooks and starts the
+publisher thread. ``detach()`` undoes all of it.
 """
 
 from __future__ import annotations
@@ -20,20 +22,19 @@ from torch import nn
 
 from . import config as _config
 from . import metrics as M
+from .aggregate import CarriedCounters, Coverage, NonFiniteIncident, Publisher, Snapshot
+from .aggregate.history import History
 from .capture import sharded
 from .capture.hooks import HookSet, Recorder
-from .capture.layers import Layer, discover, has_trainable_parameters, is_ddp, top_blocks, unwrap
+from .capture.layers import has_trainable_parameters, unwrap
+from .carry import CarryOver
 from .config import Config
 from .errors import ErrorLog
-from .identity import RankInfo, data_parallel_rank, detect
+from .identity import RankInfo, detect
 from .serve import exporter, run_end
-from . import statistics as S
-from .grouping import group_layers
-from .history import History
 from .incidents import recorder as incidents
-from .snapshot import Aggregator, CarriedCounters, Coverage, NonFiniteIncident, Publisher, Snapshot
-from .divergence import DivergenceSettings, DivergenceWatch
-from .spikes import SpikeTracker
+from .serving import Serving
+from .wiring import wire
 
 log = logging.getLogger("gradmon")
 
@@ -81,7 +82,7 @@ class Monitor:
         self._hooks = HookSet()
         self._recorder: Optional[Recorder] = None
         self._publisher: Optional[Publisher] = None
-        self._endpoint: Optional[exporter.Endpoint] = None
+        self._serving = Serving(cfg, id(self), self._export_view)
         self._errors = ErrorLog(name or "disabled")
         self._final_snapshot = Snapshot()  # what the publisher held last, once it is stopped
         self._labels: Dict[str, str] = {}
@@ -90,9 +91,11 @@ class Monitor:
         self._history: Optional[History] = None
         self._black_box: Optional[incidents.BlackBox] = None
         self._pid = os.getpid()
-        self._overhead_before = 0.0  # carried from an earlier monitor of this name (exported only)
-        self._overhead_at_detach = 0.0
-        self._holding = False  # keep_serving: the run ended, its endpoint still serves it
+        self._carry = CarryOver(_CARRIED)
+
+    @property
+    def _endpoint(self) -> Optional[exporter.Endpoint]:
+        return self._serving.endpoint
 
     # -- public surface --------------------------------------------------------------
 
@@ -164,8 +167,7 @@ class Monitor:
 
     def _set_run_state(self, state: str, failure: Optional[str] = None) -> None:
         self._run_state, self._failure = state, failure
-        if self._endpoint is not None:
-            self._endpoint.changed()
+        self._serving.changed()
 
     def snapshot(self) -> Snapshot:
         """The latest published snapshot (what the endpoint serves)."""
@@ -212,7 +214,7 @@ class Monitor:
 
     def _teardown_left(self) -> bool:
         return bool(len(self._hooks)) or self._recorder is not None or self._publisher is not None \
-            or (self._endpoint is not None and not self._holding) or _NAMES_IN_USE.get(self.name) is self
+            or (self._endpoint is not None and not self._serving.holding) or _NAMES_IN_USE.get(self.name) is self
 
     def _teardown(self, final_scrape: bool) -> None:
         interrupted: Optional[BaseException] = None
@@ -233,7 +235,7 @@ class Monitor:
         self._hooks.remove()
         if self._recorder is not None:
             self._recorder.release()
-            self._overhead_at_detach = self._overhead_before + self._recorder.overhead
+            self._carry.stopped(self._recorder.overhead)
             self._recorder = None
 
     def _stop_publisher(self) -> None:
@@ -241,47 +243,19 @@ class Monitor:
             publisher = self._publisher
             publisher.close()
             self._final_snapshot = publisher.latest
-            _CARRIED[self._carry_key()] = (publisher.counters(), self._errors.counts(), self._overhead_at_detach)
+            self._carry.leave(self._carry_key(), publisher.counters(), self._errors)
             self._publisher = None
 
     def _drop_endpoint(self, forked: bool, final_scrape: bool) -> None:
-        """Leave the endpoint; at the end of a run, the final state stays served until the
-        scrapers have seen it (one wait per endpoint, by its last user)."""
-        if self._endpoint is None or self._holding:
-            return
-        if forked:
-            self._endpoint = None
-            return
-        final = self._export_view() if final_scrape else None
-        if final is not None and self.config.keep_serving and self._endpoint.server is not None:
-            self._hold(final)
-        else:
-            self._release(final)
-
-    def _release(self, final: Optional[exporter.ExportView]) -> None:
-        try:  # if this fails, the next detach() retries it
-            exporter.release(self._endpoint, id(self), final, self.config.final_scrape_timeout)
-        except KeyboardInterrupt:
-            self._endpoint = None  # it ended the wait; the endpoint is released all the same
-            raise
-        self._endpoint = None
-
-    def _hold(self, final: exporter.ExportView) -> None:
-        """keep_serving: the endpoint serves the run's final view until the process exits
-        (``_end_all``) or a monitor of the same name and labels takes it over."""
-        self._endpoint.collector.retire(id(self), final)
-        self._endpoint.changed()
-        self._holding = True
-        _HELD[self._carry_key()] = self
-        _announce(self, f"gradmon: the run of {self.name} ended ({self._run_state}); still serving it until "
-                        f"the process exits (keep_serving): {_where(self)}")
+        if self._serving.leave(forked, final_scrape):
+            _HELD[self._carry_key()] = self
+            _announce(self, f"gradmon: the run of {self.name} ended ({self._run_state}); still serving it until "
+                            f"the process exits (keep_serving): {_where(self)}")
 
     def _stop_holding(self, final_scrape: bool) -> None:
         if _HELD.get(self._carry_key()) is self:
             del _HELD[self._carry_key()]
-        if self._holding:
-            self._holding = False
-            self._release(self._export_view() if final_scrape else None)
+        self._serving.stop_holding(final_scrape)
 
     def _forget(self) -> None:
         with _LOCK:
@@ -317,78 +291,29 @@ class Monitor:
         """Everything that can be refused is checked before anything is started; on any
         failure the caller tears down what was started (see ``attach``)."""
         cfg = self.config
-        layers = discover(inner, cfg)
-        if not layers:
-            raise ValueError(
-                "gradmon: no layer matches the options include/exclude/layer_types "
-                f"(include={cfg.include}, exclude={cfg.exclude}, layer_types={cfg.layer_types})")
-        self._layer_names = tuple(layer.name for layer in layers)
         self._model_ref = weakref.ref(model)
         self._labels = _series_labels(self.name, self.rank, cfg)
-        local_view = cfg.local_view if cfg.local_view is not None else is_ddp(model)
-        statistics = S.enabled(cfg, local_view=local_view, fp16_headroom=_fp16_headroom(cfg, layers))
-        blocks = top_blocks(inner)
-        units = sharded.fsdp1_units(model)
-        recorder = Recorder(layers, cfg, self._errors, self._publish, statistics, units)
-        grouping = group_layers(self._layer_names, S.series_per_layer(statistics), cfg.series_budget)
-        if grouping.grouped_layers:
-            log.warning("gradmon[%s]: %d layers exceed series_budget=%d; exporting %d module-name-prefix "
-                        "groups instead (gradmon_grouped_layers)", self.name, len(layers), cfg.series_budget,
-                        len(grouping.names))
-        # Every rank holds the same reduced gradient under DDP/FSDP: data-parallel rank 0
-        # carries its per-layer series, and the other replicas none unless asked
-        # (all_ranks_per_layer): what tells them apart fits in a few rank-level series.
-        dp_rank = data_parallel_rank(model, self.rank.rank)
-        self._reduced_per_layer = dp_rank == 0 or self.rank.world_size == 1 or not (local_view or recorder.sharded)
-        self._per_layer = self._reduced_per_layer or cfg.all_ranks_per_layer
-        # the live page's steps: only where per-layer series are exported and a page is served
-        self._history = History(grouping.names, cfg.ui_history) if (
-            cfg.ui and self._per_layer and cfg.registry is None) else None
-        aggregator = Aggregator(grouping.names, recorder.param_layer, statistics, self.name, grouping.of_layer,
-                                self.rank.rank, self._on_incident, amp=cfg.scaler is not None,
-                                tied={layer.index: layer.tied_to for layer in layers if layer.tied_to},
-                                block_names=(M.BLOCK_INPUT, *(name for name, _ in blocks), M.BLOCK_OUTPUT),
-                                spikes=SpikeTracker(S.spike_signals(statistics, self._reduced_per_layer),
-                                                    cfg.spike_threshold, cfg.spike_window, cfg.spike_min_steps,
-                                                    raw_below_zero=(M.SIGNAL_LOSS,),
-                                                    layers={M.SIGNAL_LAYER_GRAD_NORM: cfg.norm_jump_ratio}),
-                                divergence=DivergenceWatch(DivergenceSettings(floor=cfg.loss_floor)),
-                                windows={g.baseline: getattr(cfg, g.baseline)
-                                         for st in statistics for g in st.gauges if g.baseline},
-                                history=self._history)
-        aggregator.black_box = self._black_box = _black_box(cfg, self, layers, aggregator.block_names, recorder, inner)
-        carried = _CARRIED.get(self._carry_key())
-        if carried is not None:
-            counters, errors, overhead = carried
-            aggregator.resume(counters)
-            self._errors.resume(errors)
-            self._overhead_before = overhead
-        self._join_endpoint(port)  # ValueError (TLS files, settings) before any hook exists
+        wired = wire(model, inner, cfg, self.name, self.rank, self._errors, self._publish, self._on_incident)
+        self._layer_names = tuple(layer.name for layer in wired.layers)
+        self._reduced_per_layer, self._per_layer = wired.reduced_per_layer, wired.per_layer
+        self._history, self._black_box = wired.history, wired.black_box
+        self._carry.resume(self._carry_key(), wired.aggregator, self._errors)
+        # ValueError (TLS files, settings) before any hook exists
+        failed = self._serving.join(port, self._errors, self.name)
+        if failed is not None:
+            self._state, self.error = "server_failed", failed
         held = _HELD.get(self._carry_key())
         if held is not None:  # the same model again (a notebook cell run twice): it serves its own state now
             held._stop_holding(final_scrape=False)
-        self._recorder = recorder
-        self._publisher = Publisher(aggregator, self._errors, self.name)
-        for text in sharded.limits(units):
+        self._recorder = wired.recorder
+        self._publisher = Publisher(wired.aggregator, self._errors, self.name)
+        for text in sharded.limits(wired.units):
             self._add_limit(text)
-        self._hooks.install(recorder, model, layers, cfg, [block for _, block in blocks])
+        self._hooks.install(wired.recorder, model, wired.layers, cfg, [block for _, block in wired.blocks])
         self._state = self._state if self._state == "server_failed" else "running"
-        _CARRIED.pop(self._carry_key(), None)  # now in this monitor's counters
-        if self._endpoint is not None:
-            self._endpoint.collector.add(id(self), self._export_view, self._errors.record,
-                                         lambda: (self.snapshot().generation, self._run_state, self._errors.total()))
-
-    def _join_endpoint(self, port: int) -> None:
-        cfg = self.config
-        try:
-            self._endpoint = exporter.acquire(cfg, port, id(self))
-        except OSError as exc:
-            # A taken port must not kill a training job: keep measuring, say so loudly.
-            self._state = "server_failed"
-            self.error = f"could not serve metrics on {cfg.addr}:{port}: {exc}"
-            self._errors.record("server", exc, log_first=False)
-            log.error("gradmon[%s]: %s; training continues without an endpoint "
-                      "(set GRADMON_PORT or port=0)", self.name, self.error)
+        self._carry.taken(self._carry_key())  # now in this monitor's counters
+        self._serving.register(self._errors.record,
+                               lambda: (self.snapshot().generation, self._run_state, self._errors.total()))
 
     def _on_incident(self, incident: NonFiniteIncident, starts: bool) -> None:
         """Publisher thread: the incident bundle (written inside the fold, so before any
@@ -416,28 +341,11 @@ class Monitor:
         rec = self._recorder
         return exporter.ExportView(
             labels=self._labels, snapshot=self.snapshot(), errors=self._errors.counts(),
-            overhead_seconds=self._overhead_before + rec.overhead if rec is not None else max(
-                self._overhead_at_detach, self._overhead_before),
+            overhead_seconds=self._carry.overhead(rec.overhead if rec is not None else None),
             run_state=self._run_state, failure=self._failure,
             info={"version": _version(), "torch_version": torch.__version__,
                   "world_size": str(self.rank.world_size)},
             reduced_per_layer=self._reduced_per_layer, per_layer=self._per_layer, history=self._history)
-
-
-def _black_box(cfg: Config, mon: Monitor, layers: Sequence[Layer], blocks: Sequence[str],
-               recorder: Recorder, inner: nn.Module) -> Optional[incidents.BlackBox]:
-    """The incident recorder, unless ``incident_dir`` is ``""``."""
-    if not cfg.incident_dir:
-        return None
-    device = next((p.device for p in inner.parameters()), torch.device("cpu"))
-    facts = incidents.RunFacts(
-        model=mon.name, rank=mon.rank.rank, world_size=mon.rank.world_size,
-        layers=tuple(layer.name for layer in layers),
-        blocks=tuple(blocks), param_layer=tuple(recorder.param_layer), device=incidents.device_name(device),
-        options=incidents.options_of(cfg))
-    # resolved now: a job that changes its working directory later still writes where it said
-    return incidents.BlackBox(os.path.abspath(cfg.incident_dir), cfg.incident_max_bytes, cfg.ui_history, facts,
-                              mon._errors)
 
 
 def _series_labels(name: str, rank: RankInfo, cfg: Config) -> Dict[str, str]:
@@ -454,15 +362,6 @@ def _check_step_number(global_step: object) -> None:
         hint = "; pass int(t) (gradmon never reads a tensor on the host for you)" if tensor else ""
         raise TypeError(f"gradmon: Monitor.step(global_step=...) takes an integer step number or None, "
                         f"got {type(global_step).__name__} {global_step!r}{hint}")
-
-
-def _fp16_headroom(cfg: Config, layers: Sequence[Layer]) -> bool:
-    """Whether the fp16 families can have series, decided at attach so that the series
-    budget counts them only then: float16 parameters (a ``.half()`` model), or a
-    GradScaler (fp16 autocast: the outputs of matmuls and convolutions are float16)."""
-    if cfg.fp16_headroom is not None:
-        return cfg.fp16_headroom
-    return cfg.scaler is not None or any(p.dtype == torch.float16 for layer in layers for p in layer.params)
 
 
 def _serving_port(cfg: Config, rank: RankInfo) -> int:

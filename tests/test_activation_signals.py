@@ -463,7 +463,7 @@ def test_forced_on_the_fp16_families_have_no_series_for_fp32_or_bf16_layers(atta
 
 def test_fp16_headroom_is_resolved_at_attach_from_the_model_and_the_scaler():
     from gradmon.capture.layers import discover
-    from gradmon.monitor import _fp16_headroom
+    from gradmon.wiring import _fp16_headroom
     fp32 = discover(nn.Linear(2, 2), Config())
     half = discover(nn.Linear(2, 2).half(), Config())
     assert not _fp16_headroom(Config(), fp32) and _fp16_headroom(Config(), half)
