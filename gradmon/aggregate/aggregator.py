@@ -72,6 +72,7 @@ class Aggregator:
 
     @property
     def block_names(self) -> Tuple[str, ...]:
+        """The BLOCK records' keys by name, as the incident bundles name them too."""
         return self.origins.block_names
 
     # -- counters that outlive a monitor ------------------------------------------
