@@ -31,7 +31,9 @@ from .carry import CarryOver
 from .config import Config
 from .errors import ErrorLog
 from .identity import RankInfo, detect
-from .serve import exporter, run_end
+from .serve import run_end
+from .serve.collector import ExportView
+from .serve.endpoint import Endpoint
 from .incidents import recorder as incidents
 from .serving import Serving
 from .wiring import wire
@@ -94,7 +96,7 @@ class Monitor:
         self._carry = CarryOver(_CARRIED)
 
     @property
-    def _endpoint(self) -> Optional[exporter.Endpoint]:
+    def _endpoint(self) -> Optional[Endpoint]:
         return self._serving.endpoint
 
     # -- public surface --------------------------------------------------------------
@@ -337,9 +339,9 @@ class Monitor:
         if self._publisher is not None:
             self._publisher.put(item)
 
-    def _export_view(self) -> exporter.ExportView:
+    def _export_view(self) -> ExportView:
         rec = self._recorder
-        return exporter.ExportView(
+        return ExportView(
             labels=self._labels, snapshot=self.snapshot(), errors=self._errors.counts(),
             overhead_seconds=self._carry.overhead(rec.overhead if rec is not None else None),
             run_state=self._run_state, failure=self._failure,

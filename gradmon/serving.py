@@ -1,4 +1,4 @@
-"""One monitor's part in an endpoint (``serve.exporter``): the endpoint is shared by the
+"""One monitor's part in an endpoint (``serve.endpoint``): the endpoint is shared by the
 monitors of a process on one address; each registers its view, and at the end of its run
 leaves after the scrapers have seen its final view or, with ``keep_serving``, holds that
 view until the process exits or a monitor of the same name and labels takes over.
@@ -11,17 +11,18 @@ from typing import Callable, Hashable, Optional
 
 from .config import Config
 from .errors import ErrorLog
-from .serve import exporter
+from .serve import endpoint as endpoints
+from .serve.collector import ExportView
 
 log = logging.getLogger("gradmon")
 
 
 class Serving:
-    def __init__(self, cfg: Config, owner: int, view: Callable[[], exporter.ExportView]) -> None:
+    def __init__(self, cfg: Config, owner: int, view: Callable[[], ExportView]) -> None:
         self._cfg = cfg
         self._owner = owner  # the monitor's id in the endpoint's collector
         self._view = view
-        self.endpoint: Optional[exporter.Endpoint] = None
+        self.endpoint: Optional[endpoints.Endpoint] = None
         self.holding = False  # keep_serving: the run ended, the endpoint still serves its final view
 
     def join(self, port: int, errors: ErrorLog, name: str) -> Optional[str]:
@@ -29,7 +30,7 @@ class Serving:
         port must not kill a training job: what went wrong is returned, logged loudly and
         counted, and training goes on without an endpoint."""
         try:
-            self.endpoint = exporter.acquire(self._cfg, port, self._owner)
+            self.endpoint = endpoints.acquire(self._cfg, port, self._owner)
         except OSError as exc:
             error = f"could not serve metrics on {self._cfg.addr}:{port}: {exc}"
             errors.record("server", exc, log_first=False)
@@ -71,9 +72,9 @@ class Serving:
             self.holding = False
             self._release(self._view() if final_scrape else None)
 
-    def _release(self, final: Optional[exporter.ExportView]) -> None:
+    def _release(self, final: Optional[ExportView]) -> None:
         try:  # if this fails, the next detach() retries it
-            exporter.release(self.endpoint, self._owner, final, self._cfg.final_scrape_timeout)
+            endpoints.release(self.endpoint, self._owner, final, self._cfg.final_scrape_timeout)
         except KeyboardInterrupt:
             self.endpoint = None  # it ended the wait; the endpoint is released all the same
             raise

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradmon.serve import exporter
+from gradmon.serve import collector
 from conftest import Key, fresh, scrape, value
 from servers import Prometheus
 
@@ -91,14 +91,14 @@ def test_a_model_whose_series_fail_is_left_out_alone_and_its_failures_are_counte
         attach, monkeypatch, caplog):
     good = attach(nn.Sequential(nn.Linear(4, 2)), name="good")
     bad = attach(nn.Sequential(nn.Linear(4, 2)), name="bad")
-    real = exporter.add_view
+    real = collector.add_view
 
     def failing_for_bad(fam, view):
         real(fam, view)  # every family is under way when it fails: none of it may be served
         if view.labels["model"] == "bad":
             raise RuntimeError("injected")
 
-    monkeypatch.setattr(exporter, "add_view", failing_for_bad)
+    monkeypatch.setattr(collector, "add_view", failing_for_bad)
     with caplog.at_level(logging.ERROR, logger="gradmon"):
         for scrapes in (1, 2, 3):
             samples = scrape(good.url)
@@ -114,14 +114,14 @@ def test_a_retired_model_whose_series_fail_is_counted_too(attach, monkeypatch):
     good = attach(nn.Sequential(nn.Linear(4, 2)), name="good")
     gone = attach(nn.Sequential(nn.Linear(4, 2)), name="gone")
     gone.detach()  # its final view stays served while "good" uses the endpoint
-    real = exporter.add_view
+    real = collector.add_view
 
     def failing_for_gone(fam, view):
         if view.labels["model"] == "gone":
             raise RuntimeError("injected")
         real(fam, view)
 
-    monkeypatch.setattr(exporter, "add_view", failing_for_gone)
+    monkeypatch.setattr(collector, "add_view", failing_for_gone)
     scrape(good.url)
     samples = scrape(good.url)
     assert value(samples, "gradmon_hook_errors_total", model="gone", stage="collect") == 2
@@ -135,7 +135,7 @@ def test_an_exposition_that_cannot_be_rendered_at_all_is_a_500_not_a_dropped_con
     def broken(self):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(exporter.GradmonCollector, "collect", broken)
+    monkeypatch.setattr(collector.GradmonCollector, "collect", broken)
     with pytest.raises(urllib.error.HTTPError) as err:
         scrape(mon.url)
     assert err.value.code == 500

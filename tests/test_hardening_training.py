@@ -316,18 +316,18 @@ def test_head_requests_are_not_scrapes_for_the_final_scrape_wait(attach):
 
 
 def test_a_detach_that_failed_partway_is_completed_by_the_next_one(attach, monkeypatch, caplog):
-    from gradmon.serve import exporter
+    from gradmon.serve import endpoint
     before = gradmon_threads()
     model = Net()
     mon = attach(model)
     port = mon.port
-    real_release = exporter.release
-    monkeypatch.setattr(exporter, "release", lambda *a: (_ for _ in ()).throw(OSError("injected")))
+    real_release = endpoint.release
+    monkeypatch.setattr(endpoint, "release", lambda *a: (_ for _ in ()).throw(OSError("injected")))
     mon.detach()  # must not raise: the failure is logged, the rest of the teardown still runs
     assert mon.state == "detached" and "detach() again retries the rest" in caplog.text
     assert hook_state(model) == hook_state(Net()), "hooks must be gone even though a later part failed"
     assert not port_refuses(port), "the injected failure kept the endpoint: nothing to retry otherwise"
-    monkeypatch.setattr(exporter, "release", real_release)
+    monkeypatch.setattr(endpoint, "release", real_release)
     mon.detach()
     assert port_refuses(port)
     assert not gradmon_threads() - before

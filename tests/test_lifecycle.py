@@ -256,21 +256,21 @@ def test_errors_inside_hooks_are_counted_logged_once_and_never_raised(monkeypatc
 
 
 def test_collector_error_is_counted_and_the_scrape_still_works(attach, monkeypatch):
-    from gradmon.serve import exporter
+    from gradmon.serve import collector
     model = mlp()
     mon = attach(model)
     other = attach(nn.Sequential(nn.Linear(2, 2)), name="other")
-    real = exporter.add_view
+    real = collector.add_view
 
     def flaky(fam, view):
         if view.labels["model"] == "other":
             raise RuntimeError("injected")
         real(fam, view)
 
-    monkeypatch.setattr(exporter, "add_view", flaky)
+    monkeypatch.setattr(collector, "add_view", flaky)
     s = scrape(mon.url)
     assert value(s, "gradmon_steps_total", model="sequential") == 0
-    monkeypatch.setattr(exporter, "add_view", real)
+    monkeypatch.setattr(collector, "add_view", real)
     assert value(scrape(mon.url), "gradmon_hook_errors_total", model="other", stage="collect") == 1
 
 

@@ -19,7 +19,7 @@ the exception was caught)                train begin, ``close()``, collection or
 =======================================  ===============================================
 
 Each end is published at once and the endpoint then waits (bounded) for the scrapers to
-see it (``exporter.Endpoint.await_final_scrape``). Everything here runs on the way out of
+see it (``endpoint.Endpoint.await_final_scrape``). Everything here runs on the way out of
 the user's program: nothing may raise into it, and the hooks it replaces are chained.
 """
 
@@ -196,8 +196,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
     try:
         if os.getpid() == _pid and _mark_all is not None:
             _mark_all(M.STATE_TERMINATED, None)
-            from . import exporter
-            exporter.await_final_scrapes(_sigterm_grace(), M.STATE_TERMINATED)
+            from . import endpoint
+            endpoint.await_final_scrapes(_sigterm_grace(), M.STATE_TERMINATED)
     except BaseException:  # noqa: BLE001 - the signal must do what it would have done
         pass
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
