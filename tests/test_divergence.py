@@ -97,6 +97,22 @@ def test_a_bad_batch_jumping_with_its_gradient_warns_and_does_not_page():
     assert not any(diverging) and watch.divergences == 0
 
 
+@pytest.mark.xfail(strict=True, reason="known limitation (issue 23, open): the climb is dated from where the "
+                   "trend last rose above 1.2x its best, and a noisy trend sits above its luckiest mean for long "
+                   "stretches; see docs/alert-evaluation.md")
+def test_a_bad_batch_on_a_trend_that_sits_above_its_luckiest_mean_does_not_page():
+    """The best is the luckiest 20-step mean of the run; a noisy loss's trend sits well above
+    it for long stretches. The climb is dated from the trend's own recent level, so the batch's
+    jump is not read as a slow climb that began when the trend last wandered up."""
+    rng = random.Random(4)
+    losses = [0.5] * 60 + [noisy(0.65, rng) for _ in range(400)]  # the trend ~1.3x its best
+    norms: List[Optional[float]] = [None] * len(losses)
+    for i in range(400, 408):
+        losses[i] = 20.0
+    _, diverging, watch = run(losses, norms)
+    assert not any(diverging) and watch.divergences == 0
+
+
 def test_a_loss_that_jumps_like_a_bad_batch_and_stays_up_pages_once_sustained():
     """A 20-fold jump in one step (a bad batch's chance-level loss) that never comes back."""
     rng = random.Random(3)

@@ -59,12 +59,7 @@ class DivergenceSettings:
     diverged: float = 2.0
     """The trend at this many times its best (and ``floor`` above it) confirms a divergence."""
     onset: float = 1.2
-    """The trend's climb begins where it last rose above this many times its own recent
-    level. Not its best: the best is the luckiest ``window``-step mean of the run, and a noisy
-    loss's trend sits well above it for long stretches, which would date a bad batch's climb
-    back to the last time the trend wandered up."""
-    level: int = 200
-    """Steps over which the trend's recent level is an exponentially weighted mean."""
+    """The trend's climb begins where it last rose above this many times its best."""
     evidence: int = 300
     """Steps before the climb's beginning in which a spike counts as evidence."""
     creep: int = 4
@@ -76,31 +71,23 @@ class DivergenceSettings:
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be at least 1, got {self.window}")
-        if not (1 < self.onset and 1 < self.settled < self.rising < self.diverged):
-            raise ValueError("need 1 < onset and 1 < settled < rising < diverged")
-        if self.level < 1:
-            raise ValueError(f"level must be at least 1 step, got {self.level}")
+        if not 1 < self.onset <= self.settled < self.rising < self.diverged:
+            raise ValueError("need 1 < onset <= settled < rising < diverged")
 
 
 class LossTrend:
-    """The mean of the last ``window`` finite losses, the lowest such mean seen, and the
-    trend's recent level (an exponentially weighted mean of it over about ``level`` steps)."""
+    """The mean of the last ``window`` finite losses and the lowest such mean seen."""
 
-    def __init__(self, window: int, level: int = 200) -> None:
+    def __init__(self, window: int) -> None:
         self._losses: Deque[float] = deque(maxlen=window)
         self._sum = 0.0
-        self._alpha = 2.0 / (level + 1)
-        self._levels = 0
         self.value: Optional[float] = None
         self.best: Optional[float] = None
-        self.level: Optional[float] = None  # before this step's trend entered it
-        self._next_level: Optional[float] = None
 
     def restart(self) -> None:
         self._losses.clear()
         self._sum = 0.0
-        self._levels = 0
-        self.value = self.best = self.level = self._next_level = None
+        self.value = self.best = None
 
     def update(self, loss: float) -> None:
         if len(self._losses) == self._losses.maxlen:
@@ -112,17 +99,6 @@ class LossTrend:
         self.value = self._sum / len(self._losses)
         if self.best is None or self.value < self.best:
             self.best = self.value
-        self.level = self._next_level
-        self._levels += 1
-        # the first trends average plainly: one value weighted exponentially is no level
-        rate = max(self._alpha, 1.0 / self._levels)
-        prev = self._next_level if self._next_level is not None else self.value
-        self._next_level = prev + rate * (self.value - prev)
-
-    def climbing(self, factor: float) -> bool:
-        """Whether the trend is ``factor`` times its recent level or more."""
-        return self.value is not None and self.level is not None and self.level > 0 and \
-            self.value >= factor * self.level
 
     def ratio(self) -> Optional[float]:
         """The trend over its best; None before the first full window, or for a best at or
@@ -143,7 +119,7 @@ class DivergenceWatch:
 
     def __init__(self, settings: DivergenceSettings = DivergenceSettings()) -> None:
         self.settings = settings
-        self.trend = LossTrend(settings.window, settings.level)
+        self.trend = LossTrend(settings.window)
         self.steps = 0
         self.rising_steps = 0  # steps the current rising warning has lasted; 0: none
         self.diverging_steps = 0  # steps the current divergence has lasted; 0: none
@@ -174,7 +150,7 @@ class DivergenceWatch:
         if ratio is None:
             return
         above = self.trend.above_best()
-        if not self.trend.climbing(s.onset) and ratio < s.settled:
+        if ratio < s.onset:
             self._onset = None
         elif self._onset is None:
             self._onset = now
