@@ -421,6 +421,15 @@ def _in_range(cfg: Config, name: str, low: float, high: float, what: str) -> Non
 def _validate(cfg: Config) -> None:
     _check_types(cfg)  # everything below may rely on the declared types
     _check_text(cfg)
+    _check_endpoint(cfg)
+    _check_cadence(cfg)
+    _check_selection(cfg)
+    _check_detection(cfg)
+    _check_objects(cfg)
+
+
+def _check_endpoint(cfg: Config) -> None:
+    """Where and how /metrics is served: address, TLS, basic auth, connection limits."""
     _in_range(cfg, "port", 0, 65535, "in 0..65535 (0 picks a free port)")
     try:
         ipaddress.ip_address(cfg.addr)
@@ -445,6 +454,10 @@ def _validate(cfg: Config) -> None:
         _fail("tls_certfile", "is required when tls_key_password is set")
     _in_range(cfg, "connection_timeout", 0.5, 300, "a number of seconds in 0.5..300")
     _in_range(cfg, "max_connections", 4, 1024, "an integer in 4..1024")
+
+
+def _check_cadence(cfg: Config) -> None:
+    """How often each family is measured, and what the incident bundles and the page keep."""
     for name in ("every", "detail_every"):
         _in_range(cfg, name, 1, math.inf, "a positive integer number of optimizer steps")
     _in_range(cfg, "optimizer_every", 0, math.inf, "a number of optimizer steps, 0 to turn the optimizer statistics off")
@@ -454,6 +467,10 @@ def _validate(cfg: Config) -> None:
         _fail("incident_dir", "must be a directory path (it contains a NUL character)")
     if cfg.optimizer_sample != 0:
         _in_range(cfg, "optimizer_sample", 256, 2 ** 20, "0 (every element) or a number of elements in 256..1048576")
+
+
+def _check_selection(cfg: Config) -> None:
+    """Which layers are monitored and the labels every series carries."""
     for name in ("include", "exclude"):
         if not all(getattr(cfg, name)):
             _fail(name, f"must not contain an empty pattern, got {getattr(cfg, name)!r}")
@@ -467,6 +484,10 @@ def _validate(cfg: Config) -> None:
         if k in reserved:
             _fail("labels", f"key {k!r} is used by gradmon or Prometheus itself "
                             f"({', '.join(sorted(reserved))}); choose another name")
+
+
+def _check_detection(cfg: Config) -> None:
+    """The series budget, the spike detectors, the divergence and the baselines."""
     _in_range(cfg, "final_scrape_timeout", 0, 3600, "a number of seconds in 0..3600")
     _in_range(cfg, "series_budget", 20, math.inf, "an integer of at least 20 series")
     _in_range(cfg, "spike_threshold", 1e-9, math.inf, "a positive number of robust standard deviations")
@@ -477,6 +498,10 @@ def _validate(cfg: Config) -> None:
     from .statistics import MIN_BASELINE  # the ratio is absent until that many values exist anyway
     for baseline in ("activation_baseline", "norm_baseline", "update_baseline"):
         _in_range(cfg, baseline, MIN_BASELINE, 10_000, f"an integer in {MIN_BASELINE}..10000")
+
+
+def _check_objects(cfg: Config) -> None:
+    """Options that are objects (a scaler, a registry) or names."""
     if cfg.scaler is not None:
         from .amp import is_scaler
         if not is_scaler(cfg.scaler):
