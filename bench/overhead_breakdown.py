@@ -5,7 +5,7 @@
 
 The same setting as bench_overhead.py: the monitored copy steps in turn with two
 unmonitored copies, so its tensors are as cold in the cache as in the benchmark's rounds.
-Each Recorder hook and each on-device record function is wrapped in a timer; nested
+Each Recorder and forward hook and each on-device record function is wrapped in a timer; nested
 entries are included in their callers (``on_forward`` holds ``activation_record``...).
 ``host`` is gradmon's own clock over the same steps. A diagnostic, not a figure to publish:
 the timers add their own small cost.
@@ -24,8 +24,8 @@ import torch
 
 import bench_overhead as bench
 
-RECORDER = ("on_param_grad", "on_forward", "on_block", "on_grad_flow", "on_root_forward", "_measure_grads",
-            "on_optimizer_post", "end_step", "_close_step")
+RECORDER = ("on_param_grad", "_measure_grads", "on_optimizer_post", "end_step", "_close_step")
+FORWARD = ("on_forward", "on_block", "on_grad_flow", "on_root_forward")  # capture/forward.py's hooks
 STATS = ("activation_record", "gradient_record", "moments_record", "moments_block", "param_grad_stats", "extremes")
 
 
@@ -45,13 +45,15 @@ def _timed(owner: object, name: str, totals: Dict[str, float]) -> None:
 def breakdown(options: Dict[str, object], steps: int, discard: int) -> Dict[str, float]:
     """ms per step of each timed function, and ``host``, for gradmon attached with ``options``."""
     import gradmon
-    from gradmon.capture import hooks, optimizer, writer
+    from gradmon.capture import forward, hooks, optimizer, writer
     from gradmon.capture import kernels as stats
     from prometheus_client import CollectorRegistry
 
     totals: Dict[str, float] = collections.defaultdict(float)
     for name in RECORDER:
         _timed(hooks.Recorder, name, totals)
+    for name in FORWARD:
+        _timed(forward.Forward, name, totals)
     for name in STATS:
         _timed(stats, name, totals)
     _timed(optimizer, "read", totals)
