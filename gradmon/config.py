@@ -101,7 +101,7 @@ class Config:
     detail_every: int = 20
     """Measure activation and gradient-flow statistics every N optimizer steps; the
     hooks are inert in between. They read every activation twice or more, which costs
-    more than the 3% budget on every step (see README's benchmark), so the default
+    more than the 3% budget on every step (see docs/benchmark.md), so the default
     samples them, at the cadence that keeps the defaults inside it; 1 measures them on
     every step."""
 
@@ -116,10 +116,11 @@ class Config:
     optimizer_sample: int = 16384
     """Most elements of each parameter (and of its gradient and optimizer state) that the
     update-to-weight ratio and Adam's RMS read: a larger parameter is read through 16K-ish
-    elements in evenly spaced runs of 256, and its sums scaled up to its size. Reading every
-    element of the weights, gradients and both Adam moments costs about what the optimizer's
-    own step costs; the sample costs a few percent of it, and moves a ratio by about 1 %
-    (the tests check 5 % on the reference model). 0 reads every element."""
+    elements in evenly spaced short runs (``capture.kernels.RUN``), and its sums scaled up to
+    its size. Reading every element of the weights, gradients and both Adam moments costs
+    about what the optimizer's own step costs; a sample costs a small part of it and moves a
+    ratio little (the tests bound it on the reference model; figures in docs/benchmark.md).
+    0 reads every element."""
 
     include: Tuple[str, ...] = ()
     """Glob patterns (fnmatch) over layer names to monitor; empty means all layers."""
@@ -138,7 +139,7 @@ class Config:
     features show as a kurtosis far above a Gaussian's 3 long before max |x| overflows.
     Estimated from a systematic sample of about 16K elements of each output (one copy
     per output; the moments of a forward's samples are computed at once when it returns;
-    see README, Activation and fp16 signals)."""
+    see docs/how-it-works.md)."""
 
     activation_baseline: int = 32
     """Detail measurements of a layer's max |x| whose median is the baseline of
@@ -185,7 +186,7 @@ class Config:
     origin_per_layer: bool = False
     """Record each layer's output extremes on every step, not only the top-level blocks'
     (always on) and detail steps': a NaN's origin is then the exact layer on the very
-    step it happens. Costs one small reduction per layer per step (see README's benchmark)."""
+    step it happens. Costs one small reduction per layer per step (see docs/benchmark.md)."""
 
     local_view: Optional[bool] = None
     """Also measure each rank's own gradient before DDP's all-reduce (the
@@ -195,7 +196,7 @@ class Config:
 
     all_ranks_per_layer: bool = False
     """Export per-layer series on every rank of a data-parallel job (DDP, FSDP), not only
-    on data-parallel rank 0. Off, the other ranks export about 50 series each (their own
+    on data-parallel rank 0. Off, the other ranks export a few dozen series each (their own
     global norm, non-finite counts per tensor, the worst layer's activation max |x| and
     local-norm ratio, the incident's origin layer), so a 1,000-rank job costs a
     Prometheus what a few dozen ranks did; on, each rank adds its own per-layer series."""
@@ -231,7 +232,7 @@ class Config:
     """The job's ``torch.amp.GradScaler``: norms are reported unscaled and steps the
     scaler skips on overflow are counted as such, not as non-finite incidents. Without
     it, norms under fp16 loss scaling are scaled norms, and a skipped step's statistics
-    are merged into the next step (see README, Mixed precision)."""
+    are merged into the next step (see docs/integrations.md, supported training setups)."""
 
     final_scrape_timeout: float = 30.0
     """Most seconds the end of a run (``detach()``, the end of a ``with`` block, interpreter
