@@ -52,6 +52,7 @@ class Endpoint:
     requested: Tuple[int, int] = (0, 0)  # (port option, port after the rank offset)
     serving_options: Tuple[object, ...] = ()
     scraped: threading.Condition = field(default_factory=threading.Condition)
+    changed_seq: Optional[int] = None  # the latest scrape started before the last change()
 
     @property
     def port(self) -> Optional[int]:
@@ -101,7 +102,9 @@ class Endpoint:
         after the change, or after ``timeout``; False then. A KeyboardInterrupt ends the
         wait at once."""
         with self.scraped:
-            changed_at = self.scrapes_started  # a scrape started later renders the new state
+            # a scrape started after the state changed renders it: counted from the change,
+            # not from this wait, which a detach on another thread may reach later
+            changed_at = self.scrapes_started if self.changed_seq is None else self.changed_seq
             now = time.monotonic()
             due = {peer: s for peer, s in self.scrapers.items()
                    if s.interval > 0 and now - s.last_start <= 2 * s.interval + 1.0}
@@ -132,6 +135,8 @@ class Endpoint:
         """A run state changed without a new snapshot: the next scrape must render anew."""
         if self.cache is not None:
             self.cache.invalidate()
+        with self.scraped:  # after the invalidation: a scrape started later renders anew
+            self.changed_seq = self.scrapes_started
 
 
 _ENDPOINTS: Dict[Tuple[object, ...], Endpoint] = {}
