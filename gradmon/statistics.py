@@ -119,8 +119,9 @@ class LayerGauge:
     values (this one included), on the publisher thread from host values; absent until
     :data:`MIN_BASELINE` finite values exist (see :func:`relative`)."""
     jump: Optional[str] = None
-    """A spike signal: a step where any layer's value of this (baseline) gauge reaches the
-    signal's threshold counts one spike step of it (see ``SpikeTracker.count_jump``)."""
+    """A spike signal: each layer's value of this gauge (before its baseline ratio) is scored
+    against that layer's own adaptive baseline, and a step where any layer is a spike counts
+    one spike step of it (see ``SpikeTracker.observe_layers``)."""
     worst: Optional[M.MetricSpec] = None
     """A rank-level gauge of the largest value over layers, labelled with the layer that
     holds it: exported on every rank, so that a rank without per-layer series still
