@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -98,6 +99,38 @@ def train(monitor, model: nn.Module, steps: int, poison: Optional[Callable[[torc
         opt.step()
         opt.zero_grad(set_to_none=True)
         time.sleep(delay)
+
+
+DIVERGE_FROM, DIVERGE_LR = 40, 0.3  # a warmup gone wrong: the learning rate climbs past what AdamW bears
+
+
+def train_diverging(monitor, model: nn.Module, steps: int, after_step: Optional[Callable[[int], None]] = None) -> None:
+    """A regression that learns for :data:`DIVERGE_FROM` steps, then loses its fit as its
+    learning rate climbs 25 % a step to :data:`DIVERGE_LR`: the loss rises over a dozen
+    steps and stays finite. ``after_step(step)`` runs after each optimizer step."""
+    target = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / 4
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(1, steps + 1):
+        x = torch.randn(BATCH, TOKENS, WIDTH, generator=torch.Generator().manual_seed(step))
+        if step > DIVERGE_FROM:
+            for group in opt.param_groups:
+                group["lr"] = min(DIVERGE_LR, group["lr"] * 1.25)
+        loss = (model(x) - x @ target).pow(2).mean()
+        monitor.observe(loss=loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(step)
+
+
+def summary(path: str, cwd: str) -> str:
+    """What ``gradmon incident PATH --no-html`` prints, run in ``cwd``; it must succeed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "gradmon", "incident", path, "--no-html"], capture_output=True,
+                         text=True, timeout=120, cwd=str(cwd), env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def ddp_rank(rank: int, world: int, master_port: int, out: str, poison_rank: int = 1) -> None:

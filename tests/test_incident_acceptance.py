@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from gradmon.incidents import bundle as B
 
 import incident_worker as W
+from incident_worker import summary
 from conftest import scrape, value
 from servers import free_port
 
@@ -31,13 +32,6 @@ def bundle_of(attach, monkeypatch, tmp_path, scenario: str) -> B.Bundle:
     assert mon.flush()
     (path,) = tmp_path.glob("*.npz")
     return B.load(str(path))
-
-
-def summary(path: str, cwd: Path) -> str:
-    out = subprocess.run([sys.executable, "-m", "gradmon", "incident", path, "--no-html"], capture_output=True,
-                         text=True, timeout=120, cwd=str(cwd), env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
 
 def test_a_nan_from_torch_log_in_block_2_names_step_40_block_2_and_the_batch_ids(attach, monkeypatch, tmp_path):

@@ -16,11 +16,12 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from .. import metrics as M
 from .. import statistics as S
 from ..capture.packet import StepPacket
-from ..incidents.recorder import BlackBox
+from ..incidents.recorder import KIND_DIVERGENCE, BlackBox, Moment
 from ..statistics import Section, Statistic
 from .counters import Counters
 from .coverage import CoverageTracker
 from .divergence import DivergenceWatch
+from .divergence import reason as divergence_reason
 from .fold import Folded, fused_skip
 from .histogram import NormHistogram
 from .history import History
@@ -123,7 +124,11 @@ class Aggregator:
             self._fold_sections(values, packet)
             if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
                 self.cover.detail_backward()
+        paged = self.divergence.divergences
         self.divergence.step(self.last.step_loss, self.spikes.this_step)
+        if self.divergence.divergences > paged and self.black_box is not None:
+            # written before any snapshot counts the divergence, as a non-finite incident's
+            self.black_box.write(Moment(packet.global_step), KIND_DIVERGENCE, divergence_reason(self.divergence))
 
     def _fold_sections(self, values: Sequence[float], packet: StepPacket) -> None:
         self.origins.start_step()

@@ -39,6 +39,23 @@ ROW_STEPS = 4
 """Newest kept steps whose per-row block checks are held (device tensors): a bundle is
 written in the fold of its incident's step, so the origin step's rows are the newest."""
 
+KIND_NONFINITE = "nonfinite"
+"""A bundle's ``kind``: the first step of a run of non-finite steps."""
+KIND_DIVERGENCE = "divergence"
+"""A bundle's ``kind``: the step on which the loss confirmed a divergence (the page)."""
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What a bundle is written for other than a non-finite run (which passes its
+    ``NonFiniteIncident``, with the same fields): the step, and no origin block."""
+
+    step: int
+    origin_step: Optional[int] = None
+    block: Optional[str] = None
+    grad_layer: Optional[str] = None
+    activation_layer: Optional[str] = None
+
 
 @dataclass(frozen=True)
 class BatchIds:
@@ -138,6 +155,7 @@ class BlackBox:
         self.spent = 0
         self.attempts = 0
         self._failed = False
+        self._last_step: Optional[int] = None  # the step of the last bundle: one bundle a step
 
     # -- every step -------------------------------------------------------------------
 
@@ -170,16 +188,23 @@ class BlackBox:
 
     # -- at an incident ---------------------------------------------------------------
 
-    def write(self, incident: Any, kind: str = "nonfinite") -> Optional[str]:
-        """Write the bundle of ``incident``; never raises. A failure to write (a full or
-        read-only disk) is logged once per run and counted (stage ``publish``)."""
-        if self.attempts >= MAX_INCIDENTS or self.spent >= self.max_bytes:
+    def write(self, incident: Any, kind: str = KIND_NONFINITE, reason: Optional[Mapping[str, Any]] = None
+              ) -> Optional[str]:
+        """Write the bundle of ``incident`` (a ``NonFiniteIncident``, or a :class:`Moment`
+        for another ``kind``), with ``reason`` (JSON values: why it was written) in it; the
+        path, or None. Never raises. One bundle a step: the first written for it (the
+        non-finite one, made first in the fold) stands for any other reason that step. A
+        failure to write (a full or read-only disk) is logged once per run and counted
+        (stage ``publish``)."""
+        if self.attempts >= MAX_INCIDENTS or self.spent >= self.max_bytes or incident.step == self._last_step:
             return None
         self.attempts += 1  # a disk that refuses them must not be asked at every incident
+        self._last_step = incident.step
         try:
             here = incident.block is not None
             full = here or self.facts.rank == 0 or self.facts.world_size == 1
             meta, arrays = self._content(incident, kind, here, full)
+            meta["reason"] = dict(reason or {})
             fitted = B.fit(meta, arrays, self.max_bytes - self.spent, int(meta["history"]["steps"]))
             if fitted is None:
                 log.warning("gradmon[%s]: incident at step %d not written: the %d bytes of incident_max_bytes "
@@ -201,8 +226,8 @@ class BlackBox:
             self._errors.record("publish", exc)
             return None
         self.spent += os.path.getsize(path)
-        log.warning("gradmon[%s]: incident bundle written: %s (read it with `gradmon incident %s`)",
-                    self.facts.model, path, path)
+        log.warning("gradmon[%s]: incident bundle written (%s at step %d): %s (read it with `gradmon incident %s`)",
+                    self.facts.model, kind, incident.step, path, path)
         return path
 
     def _content(self, incident: Any, kind: str, here: bool, full: bool
@@ -222,7 +247,9 @@ class BlackBox:
             "incident": {"step": incident.step, "origin_step": incident.origin_step,
                          "origin_here": here, "block": incident.block, "grad_layer": incident.grad_layer,
                          "activation_layer": incident.activation_layer},
-            "rows": _rows(origin, incident.block, facts.blocks),
+            "rows": (_rows(origin, incident.block, facts.blocks) if kind == KIND_NONFINITE else
+                     {"known": False, "rows": [], "block": None,
+                      "reason": f"a {kind} bundle names no rows: no value of the batch went non-finite"}),
             "batch": {"known": ids is not None, "ids": ids if ids is not None else [],
                       "reason": None if ids is not None else "no ids given: Monitor.observe(batch=ids)"},
             "blamed": _blamed(steps, facts, incident) if full else {},

@@ -70,6 +70,31 @@ def rows_text(meta: Dict[str, Any]) -> str:
     return ", ".join(named) + f" at {_s(rows.get('block'))}"
 
 
+def what_text(b: B.Bundle) -> List[str]:
+    """What happened: a non-finite run and its origin, or why another kind was written."""
+    m = b.meta
+    inc, reason = m["incident"], m.get("reason") if isinstance(m.get("reason"), dict) else {}
+    if m.get("kind", "nonfinite") == "nonfinite":
+        return [f"  non-finite at step {_s(inc.get('step'))} (the run of non-finite steps started at step "
+                f"{_s(inc.get('origin_step'))})",
+                f"  origin: {origin_text(b, siblings(b))}",
+                f"  gradient first non-finite in layer {_s(inc.get('grad_layer') or '-')}, activation in layer "
+                f"{_s(inc.get('activation_layer') or '-')}"]
+    if m.get("kind") == "divergence":
+        evidence = reason.get("evidence") if isinstance(reason.get("evidence"), list) else []
+        return [f"  loss divergence confirmed at step {_s(inc.get('step'))}: the mean of the last "
+                f"{_s(reason.get('window'))} losses is {_num(reason.get('trend'))}, {_num(reason.get('ratio'))} "
+                f"times its best {_num(reason.get('best'))} (a page needs {_s(reason.get('diverged'))} times and "
+                f"{_s(reason.get('floor'))} above it)",
+                "  evidence: " + (", ".join(_s(e) for e in evidence) or "none")]
+    return [f"  {_s(m.get('kind'))} at step {_s(inc.get('step'))}"] + [
+        f"  {_s(k)}: {_s(v)}" for k, v in reason.items() if k != "kind"]
+
+
+def _num(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else _s(x)
+
+
 def summary(b: B.Bundle) -> str:
     m = b.meta
     run, inc, hist, versions = m["run"], m["incident"], m["history"], m["versions"]
@@ -78,11 +103,7 @@ def summary(b: B.Bundle) -> str:
         f"gradmon incident bundle {_s(b.path)}",
         f"  model {_s(run.get('model'))}, rank {_s(run.get('rank'))} of {_s(run.get('world_size'))}, "
         f"host {_s(run.get('host'))}, device {_s(run.get('device'))}, pid {_s(run.get('pid'))}",
-        f"  non-finite at step {_s(inc.get('step'))} (the run of non-finite steps started at step "
-        f"{_s(inc.get('origin_step'))})",
-        f"  origin: {origin_text(b, siblings(b))}",
-        f"  gradient first non-finite in layer {_s(inc.get('grad_layer') or '-')}, activation in layer "
-        f"{_s(inc.get('activation_layer') or '-')}",
+        *what_text(b),
         f"  rows: {rows_text(m)}",
         "  batch ids: " + (f"{len(m['batch'].get('ids') or [])} given" if m["batch"].get("known")
                            else f"unknown ({_s(m['batch'].get('reason'))})"),
