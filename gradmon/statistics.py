@@ -4,14 +4,17 @@ A :class:`Statistic` says everything gradmon needs to know about one thing it me
 per layer: the option that switches it on, the moment the hooks record it, the
 on-device function that records it, the columns of one record and how each column
 folds (over a layer's several calls, over layers grouped under the series budget, and
-over FSDP shards), the Prometheus families it feeds and what it costs in series.
+over FSDP shards), the Prometheus families it feeds, how each is drawn on the Layers
+dashboard and what it costs in series.
 
 Everything downstream loops over :data:`STATISTICS`: the hooks record each enabled
 statistic at its moment, the step packet is laid out section by section from the
 declared columns (:func:`read` is the only reader of that layout), the aggregator folds
-by the declared rules, the exporter emits the declared families and the series budget
-adds up the declared costs. Adding a statistic is one entry here and its record
-function in ``stats.py``.
+by the declared rules, the exporter emits the declared families, the series budget
+adds up the declared costs, and at build time the Layers dashboard draws each declared
+:class:`Panel` and the metric reference (docs/metrics.md) lists each family. Adding a
+statistic is one entry here, its record function in ``capture/kernels.py`` and its
+metric spec in ``metrics.py``.
 """
 
 from __future__ import annotations
@@ -106,6 +109,24 @@ MIN_BASELINE = 8
 """Values a gauge's own baseline needs before the gauge relative to it is exported."""
 
 
+@dataclass(frozen=True)
+class Panel:
+    """How a per-layer gauge is drawn on the Layers dashboard: one time series per layer
+    (``gradmon/artefacts/dashboards.py`` builds it; nothing at runtime reads it)."""
+
+    title: str
+    log: bool = False
+    """A log-scale y axis: for values that span decades (norms, ratios)."""
+    unit: str = "short"
+    """Grafana's unit of the values (``percentunit`` for a fraction of 1)."""
+    line: Optional[Tuple[str, Callable[[Any], float]]] = None
+    """(colour, number): a threshold line drawn from the alerts' own numbers, the function
+    taking ``gradmon.thresholds.Thresholds``."""
+    description: str = ""
+    wide: bool = False
+    """The panel takes the dashboard's whole width instead of half of it."""
+
+
 @dataclass(frozen=True, eq=False)  # by identity: the aggregator keys its state by gauge
 class LayerGauge:
     spec: M.MetricSpec
@@ -135,6 +156,9 @@ class LayerGauge:
     """The baseline is forgotten where the spike windows restart (a learning-rate jump, a
     resumed run): for values that move with the learning rate, whose old median would
     make a warm restart look like a blow-up (and a drop to a low rate like a recovery)."""
+    panel: Optional[Panel] = None
+    """Its panel on the Layers dashboard; None: none (a family several gauges share is
+    drawn once, from the first that declares a panel)."""
 
 
 @dataclass(frozen=True)
@@ -271,8 +295,15 @@ _GRAD_NORM = Column("norm", NORM, scale_power=1)
 GRAD = Statistic(
     "grad", None, PARAM_GRAD, ((_GRAD_NORM,) + _COUNTS,),
     lambda grads, home: stats.param_grad_stats(grads, home),
-    gauges=(LayerGauge(M.GRAD_NORM, _norm), LayerGauge(M.GRAD_NORM_BASELINE_RATIO, _norm, baseline="norm_baseline", restarts=True,
-                                                    jump=M.SIGNAL_LAYER_GRAD_NORM)),
+    gauges=(LayerGauge(M.GRAD_NORM, _norm, panel=Panel("Gradient norm by layer", log=True, wide=True,
+                                                       line=("red", lambda th: th.explode_abs))),
+            LayerGauge(M.GRAD_NORM_BASELINE_RATIO, _norm, baseline="norm_baseline", restarts=True,
+                       jump=M.SIGNAL_LAYER_GRAD_NORM,
+                       panel=Panel("Gradient norm over its own baseline", log=True,
+                                   line=("orange", lambda th: th.norm_baseline_ratio),
+                                   description="Each layer's norm over the median of its own last norm_baseline "
+                                               "sampled steps; GradmonGradNormAboveBaseline warns above the line. "
+                                               "The first layers move first."))),
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD}, rank_tensor=M.TENSOR_GRAD, origin=M.TENSOR_GRAD,
     coverage=M.FAMILY_GRAD, reduced=True, sampled=True,
     total=M.GRAD_GLOBAL_NORM, histogram=M.GRAD_GLOBAL_NORM_DISTRIBUTION, spike=M.SIGNAL_GRAD_NORM)
@@ -280,7 +311,8 @@ GRAD = Statistic(
 GRAD_FLOW = Statistic(
     "grad_flow", "grad_flow", OUTPUT_GRAD, ((_GRAD_NORM,), _COUNTS),
     lambda grad: stats.gradient_record(grad),
-    gauges=(LayerGauge(M.GRAD_FLOW_NORM, _norm),),
+    gauges=(LayerGauge(M.GRAD_FLOW_NORM, _norm,
+                       panel=Panel("Gradient flow by depth (norm of d loss / d output)", log=True, wide=True)),),
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD_FLOW}, rank_tensor=M.TENSOR_GRAD_FLOW,
     origin=M.TENSOR_GRAD,
     coverage=M.FAMILY_GRAD_FLOW, detail=True)
@@ -291,8 +323,12 @@ ACTIVATION = Statistic(
     "activation", "activations", OUTPUT,
     ((Column("norm", NORM),) + _EXTREMES, _COUNTS),
     lambda output: stats.activation_record(output),
-    gauges=(LayerGauge(M.ACTIVATION_RMS, _rms), LayerGauge(M.ACTIVATION_ABS_MAX, _abs_max, worst=M.ACTIVATION_ABS_MAX_WORST),
-            LayerGauge(M.ACTIVATION_ABS_MAX_RATIO, _abs_max, baseline="activation_baseline")),
+    gauges=(LayerGauge(M.ACTIVATION_RMS, _rms, panel=Panel("Activation RMS by layer", log=True)),
+            LayerGauge(M.ACTIVATION_ABS_MAX, _abs_max, worst=M.ACTIVATION_ABS_MAX_WORST,
+                       panel=Panel("Activation max |x| by layer", log=True,
+                                   line=("red", lambda th: th.activation_abs_max))),
+            LayerGauge(M.ACTIVATION_ABS_MAX_RATIO, _abs_max, baseline="activation_baseline",
+                       panel=Panel("Activation max |x| over its own baseline", log=True))),
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_ACTIVATION}, rank_tensor=M.TENSOR_ACTIVATION,
     origin=M.TENSOR_ACTIVATION,
     coverage=M.FAMILY_ACTIVATION, detail=True)
@@ -301,7 +337,9 @@ ACTIVATION_KURTOSIS = Statistic(
     "activation_kurtosis", ("activations", "activation_kurtosis"), OUTPUT,
     (tuple(Column(name, MOMENTS) for name in MOMENT_COLUMNS),),
     lambda output: stats.moments_record(output),
-    gauges=(LayerGauge(M.ACTIVATION_KURTOSIS, _kurtosis),), detail=True,
+    gauges=(LayerGauge(M.ACTIVATION_KURTOSIS, _kurtosis, panel=Panel(
+        "Activation kurtosis by layer", log=True,
+        description="A Gaussian is 3; outlier features push it far up long before max |x| overflows.")),), detail=True,
     combine=lambda samples, numels, home, scratch: stats.moments_block(samples, numels, home, scratch))
 
 # fp16 only: a bf16 or fp32 tensor has no such ceiling worth watching. The gradient is
@@ -311,14 +349,18 @@ ACTIVATION_KURTOSIS = Statistic(
 FP16_ACTIVATION = Statistic(
     "fp16_activation", "fp16_headroom", OUTPUT, ((_EXTREMES[0],), (_EXTREMES[1],)),
     lambda output: stats.extremes(output),
-    gauges=(LayerGauge(M.FP16_RANGE_USED, _fp16_range_used, labels={"tensor": M.TENSOR_ACTIVATION}),),
+    gauges=(LayerGauge(M.FP16_RANGE_USED, _fp16_range_used, labels={"tensor": M.TENSOR_ACTIVATION}, panel=Panel(
+        "fp16 range used", unit="percentunit", line=("red", lambda th: 1 / th.fp16_min_headroom),
+        description="max |x| / 65504 of float16 outputs and their gradients (float16 layers only).")),),
     detail=True, dtypes=(torch.float16,))
 
 FP16_GRAD = Statistic(
     "fp16_grad", "fp16_headroom", OUTPUT_GRAD, (_EXTREMES, (Column("nonzero", SUM),)),
     lambda grad: stats.extremes_and_nonzero(grad),
     gauges=(LayerGauge(M.FP16_RANGE_USED, _fp16_range_used, labels={"tensor": M.TENSOR_GRAD}),
-            LayerGauge(M.GRAD_FP16_UNDERFLOW_FRACTION, _zero_fraction)),
+            LayerGauge(M.GRAD_FP16_UNDERFLOW_FRACTION, _zero_fraction, panel=Panel(
+                "fp16 gradient underflow fraction", unit="percentunit",
+                description="Exact zeros, true zeros included: watch its rise, not its level."))),
     detail=True, dtypes=(torch.float16,))
 
 LOCAL = Statistic(
@@ -354,14 +396,19 @@ LAYER_FINITE = Statistic(
 UPDATE_RATIO = Statistic(
     "update_ratio", "optimizer_every", OPTIMIZER, ((Column("update", NORM), Column("weight", NORM)),),
     lambda reading: reading.update,
-    gauges=(LayerGauge(M.UPDATE_TO_WEIGHT_RATIO, _ratio),
-            LayerGauge(M.UPDATE_RATIO_BASELINE_RATIO, _ratio, baseline="update_baseline", restarts=True)),
+    gauges=(LayerGauge(M.UPDATE_TO_WEIGHT_RATIO, _ratio, panel=Panel("Update-to-weight ratio by layer", log=True)),
+            LayerGauge(M.UPDATE_RATIO_BASELINE_RATIO, _ratio, baseline="update_baseline", restarts=True,
+                       panel=Panel("Update ratio over its own baseline", log=True,
+                                   line=("orange", lambda th: th.update_baseline_ratio)))),
     coverage=M.FAMILY_OPTIMIZER, reduced=True)
 
 # RMS of g'/sqrt(max(v̂, ε²)) over the layer's elements: the root of a norm over numel.
 ADAM_RMS = Statistic(
     "adam_rms", "optimizer_every", OPTIMIZER, ((Column("norm", NORM),),),
-    lambda reading: reading.adam, gauges=(LayerGauge(M.ADAM_RMS, _rms),), reduced=True)
+    lambda reading: reading.adam, reduced=True,
+    gauges=(LayerGauge(M.ADAM_RMS, _rms, panel=Panel(
+        "Adam RMS(g / sqrt(v)) by layer", line=("orange", lambda th: th.adam_rms_spike),
+        description="About 1 when healthy; far above, the second moment lags a gradient spike.")),))
 
 #: Every statistic, in packet order.
 STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL, BLOCK_FINITE, LAYER_FINITE,

@@ -79,6 +79,45 @@ def test_every_per_layer_family_of_the_statistics_table_has_a_layers_panel():
     assert families - set(NOT_ON_LAYERS) <= shown, families - set(NOT_ON_LAYERS) - shown
 
 
+def test_every_per_layer_family_declares_its_layers_panel_once():
+    from gradmon import statistics as S
+    drawn = [g.spec.name for st in S.STATISTICS for g in st.gauges if g.panel is not None]
+    assert len(drawn) == len(set(drawn)), drawn
+    families = {g.spec.name for st in S.STATISTICS for g in st.gauges if g.per_layer}
+    assert families - set(NOT_ON_LAYERS) == set(drawn)
+    titles = [p["title"] for p in BOARDS["layers"]["panels"]]
+    assert len(titles) == len(set(titles)) and [p["id"] for p in BOARDS["layers"]["panels"]] == list(
+        range(1, len(titles) + 1))
+
+
+def test_a_statistic_declared_with_a_panel_is_drawn_on_the_layers_dashboard(monkeypatch):
+    """The panel comes from the declaration alone: title, unit, scale, the threshold line
+    from the alerts' numbers, the labels the family adds and the rank of reduced values."""
+    from gradmon import statistics as S
+    from gradmon.artefacts.dashboards import layers
+    spec = M.MetricSpec("gradmon_test_peak", "gauge", ("layer", "part"), "Peak (test).")
+    st = S.Statistic("test_peak", None, S.PARAM_GRAD, ((S.Column("peak", S.ABSMAX),),), lambda grads, home: None,
+                     reduced=True, gauges=(S.LayerGauge(spec, lambda c: c["peak"], panel=S.Panel(
+                         "Peak by layer", log=True, unit="percentunit",
+                         line=("red", lambda th: 2 * th.explode_abs), description="Why it matters.")),))
+    before = layers(alerting.Thresholds())["panels"]
+    monkeypatch.setattr(S, "STATISTICS", S.STATISTICS + (st,))
+    th = alerting.Thresholds()
+    after = layers(th)["panels"]
+    assert len(after) == len(before) + 1
+    new = after[-1]
+    assert (new["title"], new["description"], new["fieldConfig"]["defaults"]["unit"]) == (
+        "Peak by layer", "Why it matters.", "percentunit")
+    assert new["fieldConfig"]["defaults"]["custom"]["scaleDistribution"] == {"type": "log", "log": 10}
+    assert {"color": "red", "value": 2 * th.explode_abs} in new["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    (target,) = new["targets"]
+    assert target["expr"].startswith("gradmon_test_peak{") and '$layer' in target["expr"]
+    assert target["legendFormat"] == "{{layer}} {{part}} (rank {{rank}})"
+    # below every panel that was there, which keep their places
+    assert new["gridPos"]["y"] >= max(p["gridPos"]["y"] for p in before)
+    assert [p["gridPos"] for p in after[:-1]] == [p["gridPos"] for p in before]
+
+
 def test_overview_has_a_stability_row_with_loss_spikes_learning_rate_and_update_ratio():
     panels = BOARDS["overview"]["panels"]
     row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Stability")

@@ -1,12 +1,14 @@
 """The Grafana dashboards: Overview (the run's health and stability), Layers (each layer's
-gradients, activations and baselines) and Ranks (one rank against the others). Every
+gradients, activations and baselines: one panel per family that a statistic declares a
+``Panel`` for, in ``statistics``) and Ranks (one rank against the others). Every
 threshold line is a number from ``thresholds``, the one the alerts use."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from .. import metrics as M
+from .. import statistics as S
 from ..thresholds import Thresholds
 from .names import LOCAL_GLOBAL_NORM, REC_LOCAL_MEDIAN, sample
 from .panels import LSEL, PSEL, SEL, dashboard, panel, row
@@ -82,67 +84,65 @@ def overview(th: Thresholds) -> Dict[str, Any]:
                     with_layer=False)
 
 
-def _layer_gradients(th: Thresholds) -> Panels:
-    """Each layer's gradient norm, gradient flow, activations and non-finite counts."""
+def _layer_summary(th: Thresholds) -> Panels:
+    """Across layers, now: which layers' gradients are largest and smallest, and where
+    non-finite values were. Drawn above the per-layer series, with ids and places left
+    for them by :func:`layers`."""
     return [
-        panel(1, "Gradient norm by layer", "timeseries", (0, 0, 24, 9),
-              [(f"{M.GRAD_NORM.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
-              thresholds=[("green", None), ("red", th.explode_abs)]),
-        panel(2, "Gradient norm across layers (now)", "bargauge", (0, 9, 12, 10),
+        panel(0, "Gradient norm across layers (now)", "bargauge", (0, 0, 12, 10),
               [(f"max by (layer) ({M.GRAD_NORM.name}{{{LSEL}}})", "{{layer}}")], instant=True),
-        panel(3, "Top 5 largest layer gradients", "table", (12, 9, 6, 10),
+        panel(0, "Top 5 largest layer gradients", "table", (12, 0, 6, 10),
               [(f"topk(5, max by (layer) ({M.GRAD_NORM.name}{{{LSEL}}}))", "{{layer}}")], instant=True, fmt="table"),
-        panel(4, "Top 5 smallest layer gradients", "table", (18, 9, 6, 10),
+        panel(0, "Top 5 smallest layer gradients", "table", (18, 0, 6, 10),
               [(f"bottomk(5, min by (layer) ({M.GRAD_NORM.name}{{{LSEL}}}))", "{{layer}}")], instant=True, fmt="table",
               description=f"Vanishing below {th.vanish_abs:g} (or {th.vanish_rel:g}x baseline) pages."),
-        panel(5, "Gradient flow by depth (norm of d loss / d output)", "timeseries", (0, 19, 24, 8),
-              [(f"{M.GRAD_FLOW_NORM.name}{{{LSEL}}}", "{{layer}}")], log=True),
-        panel(6, "Activation RMS by layer", "timeseries", (0, 27, 12, 8),
-              [(f"{M.ACTIVATION_RMS.name}{{{LSEL}}}", "{{layer}}")], log=True),
-        panel(7, "Activation max |x| by layer", "timeseries", (12, 27, 12, 8),
-              [(f"{M.ACTIVATION_ABS_MAX.name}{{{LSEL}}}", "{{layer}}")], log=True,
-              thresholds=[("green", None), ("red", th.activation_abs_max)]),
-        panel(8, "Non-finite elements by layer (1h)", "table", (0, 35, 24, 8),
+        panel(0, "Non-finite elements by layer (1h)", "table", (0, 10, 24, 8),
               [(f"sum by (layer, tensor, kind) (increase({sample(M.NONFINITE)}{{{LSEL}}}[1h]))", "{{layer}}")],
               instant=True, fmt="table"),
     ]
 
 
-def _layer_baselines(th: Thresholds) -> Panels:
-    """Each layer against its own baseline, Adam's RMS and float16 range."""
-    return [
-        panel(9, "Gradient norm over its own baseline", "timeseries", (0, 43, 12, 8),
-              [(f"{M.GRAD_NORM_BASELINE_RATIO.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
-              thresholds=[("green", None), ("orange", th.norm_baseline_ratio)],
-              description="Each layer's norm over the median of its own last norm_baseline sampled steps; "
-                          "GradmonGradNormAboveBaseline warns above the line. The first layers move first."),
-        panel(10, "Update-to-weight ratio by layer", "timeseries", (12, 43, 12, 8),
-              [(f"{M.UPDATE_TO_WEIGHT_RATIO.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True),
-        panel(11, "Update ratio over its own baseline", "timeseries", (0, 51, 12, 8),
-              [(f"{M.UPDATE_RATIO_BASELINE_RATIO.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")], log=True,
-              thresholds=[("green", None), ("orange", th.update_baseline_ratio)]),
-        panel(12, "Adam RMS(g / sqrt(v)) by layer", "timeseries", (12, 51, 12, 8),
-              [(f"{M.ADAM_RMS.name}{{{LSEL}}}", "{{layer}} (rank {{rank}})")],
-              thresholds=[("green", None), ("orange", th.adam_rms_spike)],
-              description="About 1 when healthy; far above, the second moment lags a gradient spike."),
-        panel(13, "Activation max |x| over its own baseline", "timeseries", (0, 59, 12, 8),
-              [(f"{M.ACTIVATION_ABS_MAX_RATIO.name}{{{LSEL}}}", "{{layer}}")], log=True),
-        panel(14, "Activation kurtosis by layer", "timeseries", (12, 59, 12, 8),
-              [(f"{M.ACTIVATION_KURTOSIS.name}{{{LSEL}}}", "{{layer}}")], log=True,
-              description="A Gaussian is 3; outlier features push it far up long before max |x| overflows."),
-        panel(15, "fp16 range used", "timeseries", (0, 67, 12, 8),
-              [(f"{M.FP16_RANGE_USED.name}{{{LSEL}}}", "{{layer}} {{tensor}}")], unit="percentunit",
-              thresholds=[("green", None), ("red", 1 / th.fp16_min_headroom)],
-              description="max |x| / 65504 of float16 outputs and their gradients (float16 layers only)."),
-        panel(16, "fp16 gradient underflow fraction", "timeseries", (12, 67, 12, 8),
-              [(f"{M.GRAD_FP16_UNDERFLOW_FRACTION.name}{{{LSEL}}}", "{{layer}}")], unit="percentunit",
-              description="Exact zeros, true zeros included: watch its rise, not its level."),
-    ]
+def _declared_panels() -> List[Tuple[S.Statistic, S.LayerGauge]]:
+    """Each per-layer family with a declared panel, once, in declaration order."""
+    drawn: Dict[str, Tuple[S.Statistic, S.LayerGauge]] = {}
+    for st in S.STATISTICS:
+        for gauge in st.gauges:
+            if gauge.panel is not None and gauge.per_layer:
+                drawn.setdefault(gauge.spec.name, (st, gauge))
+    return list(drawn.values())
+
+
+def _layer_series(th: Thresholds, top: int) -> Panels:
+    """One time series per layer for each family a statistic declares a panel for
+    (``statistics.Panel``), from ``top`` down: two to a row, a wide one a row of its own.
+    The legend names each label the family adds, and the rank where the values are the
+    reduced ones that rank 0 alone exports."""
+    out: Panels = []
+    x, y = 0, top
+    for st, gauge in _declared_panels():
+        p, spec = gauge.panel, gauge.spec
+        w = 24 if p.wide else 12
+        if x + w > 24:
+            x, y = 0, y + HEIGHT
+        legend = "{{layer}}" + "".join(f" {{{{{label}}}}}" for label in spec.labels if label != "layer")
+        legend += " (rank {{rank}})" if st.reduced else ""
+        out.append(panel(0, p.title, "timeseries", (x, y, w, HEIGHT), [(f"{spec.name}{{{LSEL}}}", legend)],
+                         unit=p.unit, log=p.log, description=p.description,
+                         thresholds=[("green", None), (p.line[0], p.line[1](th))] if p.line else ()))
+        x += w
+    return out
+
+
+HEIGHT = 8  # of a per-layer time series panel
 
 
 def layers(th: Thresholds) -> Dict[str, Any]:
-    return dashboard("gradmon-layers", "gradmon / Layers", _layer_gradients(th) + _layer_baselines(th),
-                    with_layer=True)
+    summary = _layer_summary(th)
+    top = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in summary)
+    panels = summary + _layer_series(th, top)
+    for pid, p in enumerate(panels, 1):
+        p["id"] = pid
+    return dashboard("gradmon-layers", "gradmon / Layers", panels, with_layer=True)
 
 
 def _rank_panels(th: Thresholds) -> Panels:
