@@ -1,8 +1,9 @@
 """The metric contract: every name, type, label set and help string gradmon exports.
 
 This is the one place that decides metric names. The exporter builds its families
-from these specs; README's metrics table, the alert rules and the dashboards are
-checked against them by the tests, so a rename here fails loudly everywhere else.
+from these specs and the reference's table (docs/metrics.md) is generated from them
+(``python -m gradmon.alerting write``); the alert rules and the dashboards are checked
+against them by the tests, so a rename here fails loudly everywhere else.
 Every series additionally carries the constant labels ``model`` and ``rank`` plus
 any user-supplied ``labels``.
 """
@@ -74,150 +75,272 @@ class MetricSpec:
     type: str  # "gauge" | "counter" | "histogram" | "info-gauge"
     labels: Tuple[str, ...]
     help: str
+    """The exposition's HELP line: one sentence."""
+    doc: str = ""
+    """The reference's text (docs/metrics.md, generated; Markdown, links relative to docs/)
+    where it says more than ``help``."""
+    values: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
+    """The values a label takes, where they are a fixed set: listed in the reference."""
 
 
-def _spec(name: str, type_: str, labels: Tuple[str, ...], help_: str) -> MetricSpec:
-    return MetricSpec(f"{PREFIX}_{name}", type_, labels, help_)
+def _spec(name: str, type_: str, labels: Tuple[str, ...], help_: str, doc: str = "",
+          values: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()) -> MetricSpec:
+    return MetricSpec(f"{PREFIX}_{name}", type_, labels, help_, doc, values)
 
 
 GRAD_NORM = _spec("grad_norm", "gauge", ("layer",),
-                  "L2 norm of the layer's parameter gradients at the last sampled step (pre-clip, accumulated, all-reduced).")
+                  "L2 norm of the layer's parameter gradients at the last sampled step (pre-clip, accumulated, all-reduced).",
+                  doc="L2 norm of the layer's parameter gradients at the last sampled step: pre-clip, accumulated"
+                      " over micro-batches, after DDP's all-reduce")
 GRAD_GLOBAL_NORM = _spec("grad_global_norm", "gauge", (),
-                         "L2 norm over all monitored parameter gradients at the last step (pre-clip).")
+                         "L2 norm over all monitored parameter gradients at the last step (pre-clip).",
+                         doc="L2 norm over all monitored parameter gradients at the last step (what "
+                             "`clip_grad_norm_` returns)")
 GRAD_GLOBAL_NORM_DISTRIBUTION = _spec("grad_global_norm_distribution", "histogram", (),
-                                      "Global gradient norm of every optimizer step, log-bucketed; never reset.")
+                                      "Global gradient norm of every optimizer step, log-bucketed; never reset.",
+                                      doc="Global norm of every step, 4 log buckets per decade from 1e-8 to 1e8; "
+                                          "catches a one-step spike between two scrapes. Non-finite norms are "
+                                          "left out (they are counted below). Under DDP/FSDP, where every rank "
+                                          "holds the same reduced norm, rank 0 alone exports it")
 LOCAL_GRAD_NORM = _spec("local_grad_norm", "gauge", ("layer",),
-                        "L2 norm of this rank's own gradient of the layer before DDP's all-reduce (multi-rank jobs).")
+                        "L2 norm of this rank's own gradient of the layer before DDP's all-reduce (multi-rank jobs).",
+                        doc="This rank's own gradient of the layer before DDP's all-reduce (`local_view`, on "
+                            "under DDP; on ranks other than data-parallel rank 0 only with `all_ranks_per_layer`)")
 LOCAL_GRAD_GLOBAL_NORM = _spec("local_grad_global_norm", "gauge", (),
-                               "L2 norm of this rank's own gradient before DDP's all-reduce: the per-rank signal of a bad rank.")
+                               "L2 norm of this rank's own gradient before DDP's all-reduce: the per-rank signal of a bad rank.",
+                               doc="This rank's own global gradient norm before the all-reduce: locates a bad "
+                                   "rank or shard")
 LOCAL_NONFINITE = _spec("local_nonfinite", "counter", ("layer", "kind"),
-                        "Non-finite elements in this rank's own gradient before DDP's all-reduce.")
+                        "Non-finite elements in this rank's own gradient before DDP's all-reduce.",
+                        doc="Non-finite elements in this rank's own gradient before the all-reduce; exists at 0",
+                        values=(("kind", NONFINITE_KINDS),))
 GRAD_FLOW_NORM = _spec("grad_flow_norm", "gauge", ("layer",),
-                       "L2 norm of the gradient with respect to the layer's output at the last detail step.")
+                       "L2 norm of the gradient with respect to the layer's output at the last detail step.",
+                       doc="L2 norm of the gradient w.r.t. the layer's output (detail steps)")
 ACTIVATION_RMS = _spec("activation_rms", "gauge", ("layer",),
-                       "RMS of the layer's output at the last detail step (training forward passes only).")
+                       "RMS of the layer's output at the last detail step (training forward passes only).",
+                       doc="RMS of the layer's output over all its calls in the step (detail steps, training "
+                           "forwards only)")
 ACTIVATION_ABS_MAX = _spec("activation_abs_max", "gauge", ("layer",),
-                           "Max |x| of the layer's output at the last detail step.")
+                           "Max |x| of the layer's output at the last detail step.",
+                           doc="max |x| of the layer's output (detail steps)")
 UPDATE_TO_WEIGHT_RATIO = _spec("update_to_weight_ratio", "gauge", ("layer",),
                                 "‖Δw‖/‖w_{t-1}‖ of the update the optimizer applied to the layer's parameters at the "
-                                "last optimizer_every step (SGD, Adam, AdamW; rebuilt from the optimizer's state).")
+                                "last optimizer_every step (SGD, Adam, AdamW; rebuilt from the optimizer's state).",
+                               doc="‖Δw‖/‖w_{t-1}‖ over the layer's parameters: the update SGD, Adam or AdamW "
+                                   "applied at the last `optimizer_every` step, rebuilt from its state (see "
+                                   "[Optimizer statistics](how-it-works.md#optimizer-statistics))")
 ADAM_RMS = _spec("adam_rms", "gauge", ("layer",),
                  "sqrt(mean(g²/max(v̂, ε²))) of the layer's parameters at the last optimizer_every step (Adam, "
-                 "AdamW): bounded by about (1-β2)^(-1/2); near the bound, v̂ lags a gradient spike.")
+                 "AdamW): bounded by about (1-β2)^(-1/2); near the bound, v̂ lags a gradient spike.",
+                 doc="`sqrt(mean(g²/max(v̂, ε²)))` over the layer's parameters at the last `optimizer_every` step"
+                     " (Adam, AdamW); bounded by about `(1-β2)^(-1/2)`")
 GRAD_NORM_BASELINE_RATIO = _spec("grad_norm_baseline_ratio", "gauge", ("layer",),
                                  "The layer's gradient norm over its own baseline: the median of its last norm_baseline "
-                                 "sampled measurements (absent until 8 exist; restarted by a learning-rate jump).")
+                                 "sampled measurements (absent until 8 exist; restarted by a learning-rate jump).",
+                                 doc="`gradmon_grad_norm` over its own baseline, the median of the layer's last "
+                                     "`norm_baseline` sampled measurements (this one included; non-finite ones "
+                                     "left out); absent until 8 exist and again for 8 measurements after a "
+                                     "learning-rate jump or a resume. ~1 when healthy; the per-layer early "
+                                     "warning of a loss spike (see [Alerts](alerts.md))")
 UPDATE_RATIO_BASELINE_RATIO = _spec("update_ratio_baseline_ratio", "gauge", ("layer",),
                                     "The layer's update-to-weight ratio over its own baseline: the median of its last "
                                     "update_baseline optimizer_every measurements (absent until 8 exist; restarted by "
-                                    "a learning-rate jump).")
+                                    "a learning-rate jump).",
+                                    doc="`gradmon_update_to_weight_ratio` over its own baseline, the median of "
+                                        "the layer's last `update_baseline` measurements; absent until 8 exist "
+                                        "and again after a learning-rate jump or a resume")
 LEARNING_RATE = _spec("learning_rate", "gauge", ("group",),
-                      "Learning rate of each parameter group (index) of the optimizer at the last step.")
+                      "Learning rate of each parameter group (index) of the optimizer at the last step.",
+                      doc="Learning rate of each param group (`\"0\"`, `\"1\"`...) of the optimizer that closed the "
+                          "last step; every rank exports it")
 ACTIVATION_ABS_MAX_RATIO = _spec("activation_abs_max_ratio", "gauge", ("layer",),
                                  "The layer's output max |x| over its own baseline: the median of its last "
-                                 "activation_baseline detail measurements (absent until 8 exist).")
+                                 "activation_baseline detail measurements (absent until 8 exist).",
+                                 doc="max |x| of the layer's output over its own baseline, the median of its last"
+                                     " `activation_baseline` detail measurements (this one included; non-finite "
+                                     "ones left out); absent until 8 exist. ~1 when healthy, whatever the "
+                                     "precision; an all-zero baseline gives 1 for 0 and `+Inf` otherwise")
 ACTIVATION_KURTOSIS = _spec("activation_kurtosis", "gauge", ("layer",),
-                            "Pearson kurtosis (a Gaussian is 3) of the layer's flattened output at the last detail step.")
+                            "Pearson kurtosis (a Gaussian is 3) of the layer's flattened output at the last detail step.",
+                            doc="Pearson kurtosis n·Σ(x−x̄)⁴ / (Σ(x−x̄)²)² of the layer's flattened output over "
+                                "all its calls in the step (a Gaussian is 3, not 0; outlier features push it far "
+                                "up); detail steps with `activation_kurtosis`; absent for a constant output")
 FP16_RANGE_USED = _spec("fp16_range_used", "gauge", ("layer", "tensor"),
                         "max |x| / 65504 of the layer's float16 output (tensor=activation) or of the float16 gradient "
-                        "w.r.t. it, loss scale included (tensor=grad), at the last detail step; float16 layers only.")
+                        "w.r.t. it, loss scale included (tensor=grad), at the last detail step; float16 layers only.",
+                        doc="max |x| / 65504 of the layer's float16 output (`activation`) and of the float16 "
+                            "gradient w.r.t. that output as backward carries it, loss scale included (`grad`); 1 "
+                            "is overflow, above 0.5 leaves less than 2x headroom. Only for layers whose tensors "
+                            "are float16 (no series for fp32/bf16 layers); detail steps, `fp16_headroom`",
+                        values=(("tensor", (TENSOR_ACTIVATION, TENSOR_GRAD)),))
 GRAD_FP16_UNDERFLOW_FRACTION = _spec("grad_fp16_underflow_fraction", "gauge", ("layer",),
                                      "Fraction of exact zeros among the float16 gradient w.r.t. the layer's output at "
-                                     "the last detail step (underflows and true zeros alike); float16 layers only.")
+                                     "the last detail step (underflows and true zeros alike); float16 layers only.",
+                                     doc="Fraction of the elements of the float16 gradient w.r.t. the layer's "
+                                         "output that are exactly 0, loss scale included. From the fp16 tensor "
+                                         "alone an underflow cannot be told from a true zero, so true zeros (dead"
+                                         " ReLUs, masked positions) count too: watch its rise, not its level. "
+                                         "fp16 layers only; detail steps, `fp16_headroom`")
 NONFINITE = _spec("nonfinite", "counter", ("layer", "tensor", "kind"),
-                  "Non-finite (NaN or Inf) elements seen, by layer, tensor and kind.")
+                  "Non-finite (NaN or Inf) elements seen, by layer, tensor and kind.",
+                  doc="Non-finite elements seen; exists at 0 from `attach()`",
+                  values=(("tensor", TENSOR_KINDS), ("kind", NONFINITE_KINDS)))
 RANK_NONFINITE = _spec("rank_nonfinite", "counter", ("tensor", "kind"),
                        "Non-finite elements this rank saw, all layers together, by tensor (grad, grad_flow, "
                        "activation, local_grad) and kind: on every rank, at 0 from attach, also where per-layer "
-                       "series are off (ranks other than data-parallel rank 0).")
+                       "series are off (ranks other than data-parallel rank 0).",
+                       doc="Non-finite elements this rank saw, all layers together (`tensor`: grad, grad_flow, "
+                           "activation, local_grad); on every rank, at 0 from attach",
+                       values=(("tensor", TENSOR_KINDS + (TENSOR_LOCAL_GRAD,)), ("kind", NONFINITE_KINDS)))
 ACTIVATION_ABS_MAX_WORST = _spec("activation_abs_max_worst", "gauge", ("layer",),
                                  "The largest max |x| of any layer's output on this rank at its last detail step, "
                                  "labelled with that layer (or with the layer that held the label while it is within "
-                                 "25% of the largest: no new series for near ties): on every rank.")
+                                 "25% of the largest: no new series for near ties): on every rank.",
+                                 doc="This rank's largest layer-output max |x| at its last detail step, labelled "
+                                     "with that layer; on every rank. A layer keeps the label while the largest "
+                                     "is within 25% of its own value, so near ties do not make a new series every"
+                                     " scrape")
 LOCAL_GRAD_NORM_RATIO_WORST = _spec("local_grad_norm_baseline_ratio_worst", "gauge", ("layer",),
                                     "The largest ratio of a layer's own gradient norm on this rank (before DDP's "
                                     "all-reduce) to that layer's baseline (the median of its last norm_baseline "
                                     "steps), at the last step, labelled with that layer from a ratio of 2 up (below, "
                                     "no layer stands out and none is named), as the activation one keeps it through "
-                                    "near ties (local_view; absent until 8 steps exist; restarted by an lr jump).")
+                                    "near ties (local_view; absent until 8 steps exist; restarted by an lr jump).",
+                                    doc="This rank's largest ratio of a layer's own (pre-all-reduce) gradient "
+                                        "norm to that layer's median of its last `norm_baseline` steps "
+                                        "(`local_view`); labelled with the layer from 2 up (below, no label: none"
+                                        " stands out), with the same 25% rule")
 NONFINITE_ORIGIN = _spec("nonfinite_origin_step", "gauge", ("tensor", "layer"),
                          "First step of the latest run of steps with non-finite gradients, on where it started: the "
                          "first top-level block (or input) in forward order whose output carried new non-finite "
                          "values for tensor=block, the first layer in forward order for tensor=activation (detail "
-                         "steps), the first in backward order for tensor=grad.")
+                         "steps), the first in backward order for tensor=grad.",
+                         doc="First step of the latest run of steps with non-finite gradients, on where it "
+                             "started: `block`: `input` (the batch), the first of the model's top-level blocks in"
+                             " forward order, or `output` (every step); `activation`: the first layer in forward "
+                             "order (detail steps, or every step with `origin_per_layer`); `grad`: the first "
+                             "layer in backward order. Kept until a finite step ends the run",
+                         values=(("tensor", (TENSOR_BLOCK, TENSOR_ACTIVATION, TENSOR_GRAD)),))
 GRAD_NORM_OVERFLOW_STEPS = _spec("grad_norm_overflow_steps", "counter", (),
                                  "Steps whose global gradient norm overflowed to +Inf while every gradient element "
-                                 "was finite (counted in the histogram's +Inf bucket, never in its _sum).")
+                                 "was finite (counted in the histogram's +Inf bucket, never in its _sum).",
+                                 doc="Steps whose global norm overflowed float32 to `+Inf` while every gradient "
+                                     "element was finite; counted in the histogram's `+Inf` bucket and `_count`, "
+                                     "never in `_sum`")
 GROUPED_LAYERS = _spec("grouped_layers", "gauge", (),
-                       "Layers merged into module-name-prefix groups to stay within series_budget (0: none).")
+                       "Layers merged into module-name-prefix groups to stay within series_budget (0: none).",
+                       doc="Layers merged into module-name-prefix groups to stay within `series_budget` (0: none)")
 AMP_SKIPPED_STEPS = _spec("amp_skipped_steps", "counter", (),
-                          "Steps the GradScaler skipped on overflow (given attach(scaler=...)); not non-finite incidents.")
-AMP_LOSS_SCALE = _spec("amp_loss_scale", "gauge", (), "The GradScaler's loss scale at the last step.")
+                          "Steps the GradScaler skipped on overflow (given attach(scaler=...)); not non-finite incidents.",
+                          doc="Steps the GradScaler skipped on overflow (with `scaler=`); not non-finite "
+                              "incidents")
+AMP_LOSS_SCALE = _spec("amp_loss_scale", "gauge", (), "The GradScaler's loss scale at the last step.",
+                       doc="The GradScaler's loss scale at the last step (with `scaler=`)")
 LOSS = _spec("loss", "gauge", (),
-             "Mean of the losses given to monitor.observe(loss=...) in the last step that observed one, on this rank.")
+             "Mean of the losses given to monitor.observe(loss=...) in the last step that observed one, on this rank.",
+             doc="Mean of the losses given to `monitor.observe(loss=...)` in the last step that observed one, on "
+                 "this rank; absent until then (see [Loss and spikes](how-it-works.md#loss-and-spikes))")
 LOSS_RUNNING_MIN = _spec("loss_running_min", "gauge", (),
-                         "Smallest finite gradmon_loss since attach, on this rank.")
+                         "Smallest finite gradmon_loss since attach, on this rank.",
+                         doc="Smallest finite `gradmon_loss` since `attach()`, on this rank (for \"loss above 2x "
+                             "its running minimum\")")
 SPIKE_SCORE = _spec("spike_score", "gauge", ("signal",),
                     "Robust one-sided score of the signal at its last scored step: its distance above the detrended "
                     "median of the last spike_window steps, in robust standard deviations (ln units); for "
-                    "layer_grad_norm, the largest gradmon_grad_norm_baseline_ratio of the last sampled step.")
+                    "layer_grad_norm, the largest gradmon_grad_norm_baseline_ratio of the last sampled step.",
+                    doc="Robust one-sided score of the signal at its last scored step (absent before one); for "
+                        "`layer_grad_norm`, the largest layer's score against its own adaptive baseline",
+                    values=(("signal", SPIKE_SIGNALS),))
 SPIKE_STEPS = _spec("spike_steps", "counter", ("signal",),
                     "Steps whose signal scored above spike_threshold and was above twice its window's median "
                     "(layer_grad_norm: a layer's norm at norm_jump_ratio times its own baseline or more); "
-                    "counted in the process, so a one-step spike between two scrapes is never missed.")
+                    "counted in the process, so a one-step spike between two scrapes is never missed.",
+                    doc="Steps counted as spikes in the process (never missed between scrapes); exists at 0 from "
+                        "`attach()` for the signals this rank scores",
+                    values=(("signal", SPIKE_SIGNALS),))
 STEPS_SINCE_SPIKE = _spec("steps_since_spike", "gauge", ("signal",),
                           "Optimizer steps since the signal's last spike step (0: the last step was one); absent "
                           "until the signal's first spike. Counted in steps, so a rule's hold means the same thing at "
-                          "any step rate.")
+                          "any step rate.",
+                          doc="Optimizer steps since the signal's last spike step (0: the last step); absent "
+                              "until its first spike")
 LOSS_TREND = _spec("loss_trend", "gauge", (),
-                   "Mean of the last 20 finite losses given to monitor.observe(loss=...) (absent until 20 exist).")
+                   "Mean of the last 20 finite losses given to monitor.observe(loss=...) (absent until 20 exist).",
+                   doc="Mean of the last 20 finite losses given to `observe(loss=...)`; absent until 20 exist")
 LOSS_TREND_BEST = _spec("loss_trend_best", "gauge", (),
-                        "Lowest gradmon_loss_trend since attach (or since a resumed run's first step).")
+                        "Lowest gradmon_loss_trend since attach (or since a resumed run's first step).",
+                        doc="Lowest `gradmon_loss_trend` since `attach()` (or a resumed run's first step)")
 LOSS_RISING_STEPS = _spec("loss_rising_steps", "gauge", (),
                           "Steps the loss trend has been rising: at 1.5x its best or more (and half loss_floor above it), "
-                          "until it falls below 1.3x; 0 when it is not.")
+                          "until it falls below 1.3x; 0 when it is not.",
+                          doc="Steps the loss trend has been at 1.5x its best or more (until back below 1.3x); 0 "
+                              "when not")
 LOSS_DIVERGING_STEPS = _spec("loss_diverging_steps", "gauge", (),
                              "Steps of the current confirmed divergence, decided in the process at every step: the "
                              "loss trend at 2x its best and loss_floor above it, with evidence that came before its "
-                             "climb (a spike, a slow climb, 100 diverged steps, or a non-finite loss); 0 when none.")
+                             "climb (a spike, a slow climb, 100 diverged steps, or a non-finite loss); 0 when none.",
+                             doc="Steps of the current confirmed divergence (see `GradmonLossDiverging`); 0 when "
+                                 "none")
 LOSS_DIVERGENCES = _spec("loss_divergences", "counter", (),
                          "Confirmed divergences entered (see gradmon_loss_diverging_steps): a divergence shorter "
-                         "than a scrape interval still counts.")
+                         "than a scrape interval still counts.",
+                         doc="Confirmed divergences entered: one shorter than a scrape interval still counts")
 DIVERGENCE_EVIDENCE = _spec("loss_divergence_evidence", "gauge", ("signal",),
                             "1 for each signal whose evidence confirmed the current divergence: a spike signal that "
                             "spiked before the loss climbed, loss_creep, loss_sustained or nonfinite_loss; absent "
-                            "while no divergence is confirmed.")
+                            "while no divergence is confirmed.",
+                            doc="1 for each kind of evidence that confirmed the current divergence (`signal`: a spike "
+                                "signal, `loss_creep`, `loss_sustained` or `nonfinite_loss`); absent while none")
 NONFINITE_STEPS = _spec("nonfinite_steps", "counter", (),
-                        "Optimizer steps in which any monitored tensor held a non-finite element.")
-STEPS = _spec("steps", "counter", (), "Optimizer steps seen since the first attach of this model name and labels in this process.")
+                        "Optimizer steps in which any monitored tensor held a non-finite element.",
+                        doc="Steps in which any monitored tensor was non-finite")
+STEPS = _spec("steps", "counter", (), "Optimizer steps seen since the first attach of this model name and labels in this process.",
+              doc="Optimizer steps seen since the first `attach()` of this model name and labels in the process")
 STEP = _spec("step", "gauge", (),
-             "The training's own global step at the last optimizer step (from the optimizer state or monitor.step(n)).")
+             "The training's own global step at the last optimizer step (from the optimizer state or monitor.step(n)).",
+             doc="The training's own global step (a value, never a label)")
 LAST_STEP_TIMESTAMP = _spec("last_step_timestamp_seconds", "gauge", (),
-                            "Unix time at which the last optimizer step finished.")
+                            "Unix time at which the last optimizer step finished.",
+                            doc="Unix time the last step finished")
 HOOK_ERRORS = _spec("hook_errors", "counter", ("stage",),
-                    "Exceptions caught inside gradmon, by stage; training carried on.")
+                    "Exceptions caught inside gradmon, by stage; training carried on.",
+                    doc="Exceptions caught inside gradmon (training carried on)")
 OVERHEAD_SECONDS = _spec("overhead_seconds", "counter", (),
-                         "Wall time gradmon spent on the training thread.")
+                         "Wall time gradmon spent on the training thread.",
+                         doc="Time gradmon spent on the training thread")
 INFO = _spec("info", "info-gauge", ("version", "torch_version", "world_size"),
-             "Build and job facts; the value is always 1.")
+             "Build and job facts; the value is always 1.",
+             doc="Build and job facts")
 WORLD_SIZE = _spec("world_size", "gauge", (),
-                   "Number of ranks in the job (torch.distributed or WORLD_SIZE), as a value so rules can compare against it.")
+                   "Number of ranks in the job (torch.distributed or WORLD_SIZE), as a value so rules can compare against it.",
+                   doc="Ranks in the job, as a value (alerts compare reporting ranks against it)")
 RUN_STATE = _spec("run_state", "gauge", ("state",),
                   "1 for the current run state (training, paused, finished, failed, interrupted, terminated), "
-                  "0 for the others.")
+                  "0 for the others.",
+                  doc="1 for the current state (see [How a run ends](alerts.md#how-a-run-ends))",
+                  values=(("state", RUN_STATES),))
 RUN_FAILURE_INFO = _spec("run_failure_info", "info-gauge", ("exception",),
-                         "Present (value 1) once the run state is failed: the exception's type name, never its message.")
+                         "Present (value 1) once the run state is failed: the exception's type name, never its message.",
+                         doc="Present once the run state is `failed`: the exception's type name, never its "
+                             "message")
 UNCOVERED_LAYERS = _spec("uncovered_layers", "gauge", ("family",),
-                         "Monitored layers a family could not observe (e.g. a forward that never runs).")
+                         "Monitored layers a family could not observe (e.g. a forward that never runs).",
+                         doc="Monitored layers a family cannot observe (see [Coverage](how-it-works.md#coverage))")
 PROCESS_RESIDENT_MEMORY = _spec("process_resident_memory_bytes", "gauge", (),
-                                "Resident memory of the training process.")
+                                "Resident memory of the training process.",
+                                doc="Resident memory of the process")
 PROCESS_CPU_SECONDS = _spec("process_cpu_seconds", "counter", (),
-                            "User and system CPU time of the training process.")
-PROCESS_THREADS = _spec("process_threads", "gauge", (), "Threads of the training process.")
+                            "User and system CPU time of the training process.",
+                            doc="CPU time of the process")
+PROCESS_THREADS = _spec("process_threads", "gauge", (), "Threads of the training process.",
+                        doc="Threads of the process")
 CUDA_MEMORY_ALLOCATED = _spec("cuda_memory_allocated_bytes", "gauge", ("device",),
-                              "Memory held by tensors on the CUDA device (torch.cuda.memory_allocated).")
+                              "Memory held by tensors on the CUDA device (torch.cuda.memory_allocated).",
+                              doc="`torch.cuda.memory_allocated` (CUDA only)")
 CUDA_MEMORY_RESERVED = _spec("cuda_memory_reserved_bytes", "gauge", ("device",),
-                             "Memory reserved by PyTorch's caching allocator on the CUDA device.")
+                             "Memory reserved by PyTorch's caching allocator on the CUDA device.",
+                             doc="`torch.cuda.memory_reserved` (CUDA only)")
 
 ALL_SPECS: Tuple[MetricSpec, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, MetricSpec)

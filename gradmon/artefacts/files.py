@@ -1,5 +1,6 @@
 """The generated files: each path under the repository and its text, and the command that
-writes them or checks that the committed ones are current."""
+writes them or checks that the committed ones are current: the rules, the Alertmanager and
+Grafana configs, the dashboards, and the reference's tables of options and metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Dict, Optional, Sequence
 from .alertmanager import alertmanager_config
 from .dashboards import dashboards
 from .grafana import grafana_alerting
+from .reference import pages
 from .rules import rule_groups
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository holding deploy/ and dashboards/
@@ -53,6 +55,10 @@ def generated_files(root: Path) -> Dict[Path, str]:
     }
     for name, board in boards.items():
         files[root / f"dashboards/{name}.json"] = _board_json(board)
+    # a page's prose is written by hand: from ``root``'s copy, or this repository's for a new root
+    template = root if (root / "docs").is_dir() else ROOT
+    for path, text in pages(template).items():
+        files[root / path] = text
     return files
 
 
