@@ -149,6 +149,7 @@ class Monitor:
         if batch is not None:
             ids = incidents.check_batch_ids(batch)
             if self._recorder is not None and self._black_box is not None:
+                self._recorder.hash_rows(False)  # the ids name the rows: no need to hash them
                 self._publish(incidents.BatchIds(ids))
         recorder = self._recorder
         if recorder is not None and loss is not _UNSET:

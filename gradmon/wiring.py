@@ -114,6 +114,7 @@ def _black_box(cfg: Config, name: str, rank: RankInfo, errors: ErrorLog, layers:
         layers=tuple(layer.name for layer in layers),
         blocks=tuple(blocks), param_layer=tuple(recorder.param_layer), device=incidents.device_name(device),
         options=incidents.options_of(cfg))
+    recorder.hash_rows(True)
     # resolved now: a job that changes its working directory later still writes where it said
     return incidents.BlackBox(os.path.abspath(cfg.incident_dir), cfg.incident_max_bytes, cfg.ui_history, facts,
                               errors)

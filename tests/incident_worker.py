@@ -80,19 +80,24 @@ def ids_of(step: int, rank: int = 0) -> List[str]:
     return [f"r{rank}-s{step}-n{n}" for n in range(BATCH)]
 
 
+def batch(step: int, rank: int = 0, poison: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+    """The batch of ``step`` on ``rank``, broken by ``poison`` at :data:`STEP`."""
+    x = torch.randn(BATCH, TOKENS, WIDTH, generator=torch.Generator().manual_seed(1000 * step + rank))
+    if poison is not None and step == STEP:
+        poison(x)
+    return x
+
+
 def train(monitor, model: nn.Module, steps: int, poison: Optional[Callable[[torch.Tensor], None]],
-          rank: int = 0, poison_rank: int = 0, delay: float = 0.0) -> None:
+          rank: int = 0, poison_rank: int = 0, delay: float = 0.0, ids: bool = True) -> None:
     """``steps`` AdamW steps; at :data:`STEP`, ``poison`` breaks row :data:`ROW` of
     ``poison_rank``'s batch. The job's own guard zeroes non-finite gradients after
-    gradmon looked, so training goes on."""
+    gradmon looked, so training goes on. ``ids``: each step's sample ids are observed."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(1, steps + 1):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(BATCH, TOKENS, WIDTH, generator=g)
-        if poison is not None and step == STEP and rank == poison_rank:
-            poison(x)
+        x = batch(step, rank, poison if rank == poison_rank else None)
         loss = (model(x) - x).pow(2).mean()
-        monitor.observe(loss=loss, batch=ids_of(step, rank))
+        monitor.observe(loss=loss, batch=ids_of(step, rank) if ids else None)
         loss.backward()
         for p in model.parameters():
             torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)

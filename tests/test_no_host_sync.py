@@ -186,6 +186,51 @@ def test_fp16_headroom_of_a_float16_model_never_syncs_on_cuda_under_sync_debug_m
     train_half_model("cuda", cuda_sync_is_an_error)
 
 
+def incident_under_raise_on_sync(device: str, out, ids: bool, guard=contextlib.nullcontext) -> dict:
+    """Three steps under RaiseOnSync (and ``guard``), the third with a NaN in row 1 of its
+    batch: with ``ids`` each step's ids are a tensor on the device (``observe(batch=...)``),
+    else the rows of the input are hashed. The bundle's ``batch`` and ``rows``."""
+    from gradmon.capture.rowhash import row_hash
+    from gradmon.incidents import bundle as B
+    torch.manual_seed(0)
+    model = Model().to(device)
+    opt = _sgd(model.parameters())
+    train_steps(model, opt, 1, device)
+    batches = [torch.randn(4, 3, 5, device=device) for _ in range(3)]
+    batches[2][1, 0, 0] = float("nan")
+    with gradmon.attach(model, port=0, addr="127.0.0.1", incident_dir=str(out)) as mon:
+        with guard(), RaiseOnSync():
+            for step, x in enumerate(batches):
+                loss = model(x).pow(2).mean()
+                mon.observe(loss=loss, batch=torch.arange(4, device=device) + 10 * step if ids else None)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert mon.flush()
+        assert sum(mon._errors.counts().values()) == 0, mon._errors.counts()
+    (path,) = out.glob("*.npz")
+    meta = B.load(str(path)).meta
+    assert meta["rows"]["rows"] == [1]
+    if ids:
+        assert meta["batch"]["ids"] == [20, 21, 22, 23] and meta["batch"]["hashes"] == {}
+    else:
+        hashes = [format(v & 0xFFFFFFFFFFFFFFFF, "016x") for v in row_hash(batches[2].cpu()).tolist()]
+        assert not meta["batch"]["known"] and meta["batch"]["hashes"] == {"args[0]": hashes}
+    return meta
+
+
+@pytest.mark.parametrize("ids", [True, False], ids=["observe_batch_tensor", "row_hash"])
+def test_batch_ids_given_as_a_tensor_and_the_row_hash_never_sync_on_cpu(ids, tmp_path):
+    incident_under_raise_on_sync("cpu", tmp_path, ids)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("ids", [True, False], ids=["observe_batch_tensor", "row_hash"])
+def test_batch_ids_given_as_a_tensor_and_the_row_hash_never_sync_on_cuda(ids, tmp_path):
+    incident_under_raise_on_sync("cuda", tmp_path, ids, cuda_sync_is_an_error)
+
+
 def test_host_values_reach_a_device_by_non_blocking_copies_only():
     """``torch.tensor`` given a CUDA device copies host memory synchronously (a stream sync,
     which set_sync_debug_mode("error") refuses and this CPU machine cannot see): gradmon

@@ -100,10 +100,14 @@ class Forward:
         self._rec.drop_pending(*S.FORWARD)
         self._rec.blocks.drop()
         self._in_root = True
+        training = self._training_forward(module)
         with self._guard("forward"):
             self._rec.rows.start(module, args, kwargs)
-            if self._block and self._training_forward(module):
+            if self._block and training:
                 self._rec.record_values(S.BLOCK, 0, (args, kwargs))
+        if training and self._rec.rows.hashing:
+            with self._guard("forward"):  # apart: a failure here costs only the row hashes
+                self._rec.rows.hash_inputs(args, kwargs)
 
     def on_root_exit(self, module: nn.Module, inputs: Any, output: Any) -> None:
         """The root's forward ended, returned or raised (``always_call``)."""

@@ -227,6 +227,11 @@ class Recorder:
         with self._guard("observe"):
             self._values.loss.add(loss)
 
+    def hash_rows(self, on: bool) -> None:
+        """Hash the rows of the root's inputs (an incident's fallback for sample ids), or
+        stop: on at attach with an ``incident_dir``, off once the job gives ids."""
+        self._rec.rows.hashing = on
+
     # -- step boundary -------------------------------------------------------------
 
     def on_optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -315,9 +320,9 @@ class Recorder:
         with self._guard("step"):
             index = self.steps
             global_step = optimizer_step if optimizer_step is not None else self.step_offset + index + 1
+            rows, hashes = self._rec.rows.take()
             packet = StepPacket(index, global_step, time.time(), measured_at_step=self._step.measured_at_step,
-                                learning_rates=self._values.host_learning_rates(),
-                                rows=self._rec.rows.take())
+                                learning_rates=self._values.host_learning_rates(), rows=rows, row_hashes=hashes)
             self._grads.reduce(self._values.batched, self._step.failed, self.errors)
             try:
                 # what a forward or backward that did not complete recorded is not this step's

@@ -28,6 +28,16 @@ class RowBlock(NamedTuple):
     """Which forward (micro-batch) of the step, from 0."""
 
 
+class RowHashes(NamedTuple):
+    """One root input tensor's batch rows, hashed (``rowhash.row_hash``) in one forward: a
+    device tensor, read on the host only at an incident (``incidents``)."""
+
+    name: str
+    """The input: ``args[i]``, a keyword's name, ``args[0].input_ids``."""
+    hashes: torch.Tensor
+    forward: int
+
+
 @dataclass(frozen=True)
 class StepPacket:
     """What one optimizer step measured, still in the packed device layout: the
@@ -51,6 +61,7 @@ class StepPacket:
     learning_rates: Tuple[Optional[float], ...] = ()
     """Per param group; None: a tensor, packed as the step scalar ``lr/<group>``."""
     rows: Tuple[RowBlock, ...] = ()
+    row_hashes: Tuple[RowHashes, ...] = ()
 
 
 @dataclass(frozen=True)

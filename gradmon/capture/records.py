@@ -19,9 +19,9 @@ from .. import statistics as S
 from ..errors import ErrorLog
 from ..statistics import Statistic
 from . import kernels as stats
-from . import sharded
+from . import rowhash, sharded
 from .layers import is_floating
-from .packet import RowBlock
+from .packet import RowBlock, RowHashes
 
 log = logging.getLogger("gradmon")
 
@@ -251,28 +251,40 @@ class BatchRows:
     dimension is another size has no rows, nor has any output of a forward whose batch
     cannot be told (:func:`batch_size`)."""
 
-    __slots__ = ("size", "pending", "kept", "forwards")
+    __slots__ = ("size", "pending", "kept", "forwards", "hashing", "hashes", "kept_hashes")
 
-    def __init__(self) -> None:
+    def __init__(self, hashing: bool = False) -> None:
         self.size: Optional[int] = None  # rows of this forward's batch
         # (block key, block, start, size): block[start:start + size] is the [min, max] of each row
         self.pending: List[Tuple[int, torch.Tensor, int, int]] = []
         # this step's completed forwards' (micro-batches), each with its forward's index
         self.kept: List[RowBlock] = []
         self.forwards = 0
+        # the rows of the root's inputs are hashed (``rowhash``) until the job gives sample ids
+        self.hashing = hashing
+        self.hashes: List[Tuple[str, torch.Tensor]] = []  # this forward's, by input name
+        self.kept_hashes: List[RowHashes] = []
 
     def start(self, root: nn.Module, args: Any, kwargs: Any) -> None:
-        self.pending, self.size = [], None
+        self.pending, self.hashes, self.size = [], [], None
         self.size = batch_size(root, args, kwargs)
+
+    def hash_inputs(self, args: Any, kwargs: Any) -> None:
+        """Each batch-first input tensor's row hashes, on its device, for this forward."""
+        if self.size is not None:
+            self.hashes = rowhash.hash_rows(args, kwargs, self.size)
 
     def commit(self) -> None:
         self.kept.extend(RowBlock(*entry, self.forwards) for entry in self.pending)
-        self.pending = []
+        self.kept_hashes.extend(RowHashes(name, hashes, self.forwards) for name, hashes in self.hashes)
+        self.pending, self.hashes = [], []
         self.forwards += 1
 
-    def take(self) -> Tuple[RowBlock, ...]:
-        kept, self.kept, self.pending, self.forwards = tuple(self.kept), [], [], 0
-        return kept
+    def take(self) -> Tuple[Tuple[RowBlock, ...], Tuple[RowHashes, ...]]:
+        """This step's per-row block checks and input row hashes; a fresh start for the next."""
+        kept, hashes = tuple(self.kept), tuple(self.kept_hashes)
+        self.kept, self.kept_hashes, self.pending, self.hashes, self.forwards = [], [], [], [], 0
+        return kept, hashes
 
 
 def batch_size(root: nn.Module, args: Any, kwargs: Any) -> Optional[int]:

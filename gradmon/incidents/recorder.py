@@ -177,10 +177,10 @@ class BlackBox:
             self._ring_bytes -= _bytes(self._ring[0].data)
         self._ring.append(Step(packet.global_step, data, tuple(packet.sections), tuple(packet.scalars),
                                 tuple(packet.learning_rates), bool(packet.skipped), self._pending,
-                                tuple(getattr(packet, "rows", ()))))
+                                tuple(getattr(packet, "rows", ())), tuple(getattr(packet, "row_hashes", ()))))
         self._pending = []
         if len(self._ring) > ROW_STEPS:
-            self._ring[-ROW_STEPS - 1].rows = ()
+            self._ring[-ROW_STEPS - 1].rows = self._ring[-ROW_STEPS - 1].hashes = ()
         self._ring_bytes += _bytes(data)
         # a bundle never holds more than max_bytes, so neither need the steps kept for it
         while len(self._ring) > 1 and self._ring_bytes > self.max_bytes:
@@ -250,8 +250,7 @@ class BlackBox:
             "rows": (_rows(origin, incident.block, facts.blocks) if kind == KIND_NONFINITE else
                      {"known": False, "rows": [], "block": None,
                       "reason": f"a {kind} bundle names no rows: no value of the batch went non-finite"}),
-            "batch": {"known": ids is not None, "ids": ids if ids is not None else [],
-                      "reason": None if ids is not None else "no ids given: Monitor.observe(batch=ids)"},
+            "batch": _batch(ids, at),
             "blamed": _blamed(steps, facts, incident) if full else {},
             "history": history,
             "options": dict(facts.options),
@@ -282,6 +281,23 @@ def _ids(batch: Sequence[object]) -> Optional[List[Any]]:
     for ids in batch:
         out.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)  # type: ignore[union-attr]
     return out[:MAX_IDS]
+
+
+HASH = "gradmon.rowhash.1"
+"""How ``batch.hashes`` are made: docs/incidents.md (*Row hashes*) gives the reference code."""
+
+
+def _batch(ids: Optional[List[Any]], at: Optional[Step]) -> Dict[str, Any]:
+    """The step's sample ids, or else its rows' input hashes, read here (publisher thread,
+    at an incident only): per input, one 16-digit hex string per row, micro-batches in order."""
+    hashes: Dict[str, List[str]] = {}
+    if ids is None and at is not None:
+        for name, values, _ in sorted(at.hashes, key=lambda h: h[2]):
+            hashes.setdefault(name, []).extend(format(v & 0xFFFFFFFFFFFFFFFF, "016x")
+                                               for v in values.detach().to("cpu").tolist())
+    reason = None if ids is not None else "no ids given: Monitor.observe(batch=ids)"
+    return {"known": ids is not None, "ids": ids if ids is not None else [], "reason": reason,
+            "hashes": {name: values[:MAX_IDS] for name, values in hashes.items()}, "hash": HASH if hashes else None}
 
 
 def _rows(origin: Optional[Step], block: Optional[str], blocks: Sequence[str]) -> Dict[str, Any]:

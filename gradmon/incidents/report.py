@@ -65,9 +65,26 @@ def rows_text(meta: Dict[str, Any]) -> str:
     if not rows.get("known"):
         return f"unknown ({_s(rows.get('reason'))})"
     ids = batch.get("ids") if batch.get("known") else None
-    named = [f"{_s(r)}" + (f" (id {_s(ids[r])})" if isinstance(ids, list) and isinstance(r, int)
-                          and 0 <= r < len(ids) else "") for r in rows.get("rows", [])]
-    return ", ".join(named) + f" at {_s(rows.get('block'))}"
+    hashes = batch.get("hashes") if isinstance(batch.get("hashes"), dict) else {}
+
+    def name(r: Any) -> str:
+        if not isinstance(r, int):
+            return ""
+        if isinstance(ids, list):
+            return f" (id {_s(ids[r])})" if 0 <= r < len(ids) else ""
+        shown = [f"{_s(k)} {_s(v[r])}" for k, v in hashes.items() if isinstance(v, list) and 0 <= r < len(v)]
+        return f" (hash {', '.join(shown)})" if shown else ""
+    return ", ".join(f"{_s(r)}{name(r)}" for r in rows.get("rows", [])) + f" at {_s(rows.get('block'))}"
+
+
+def batch_text(meta: Dict[str, Any]) -> str:
+    batch = meta["batch"]
+    if batch.get("known"):
+        return f"{len(batch.get('ids') or [])} given"
+    hashes = batch.get("hashes") if isinstance(batch.get("hashes"), dict) else {}
+    return f"unknown ({_s(batch.get('reason'))})" + (
+        f"; rows named by the hashes of the inputs {', '.join(_s(k) for k in hashes)} ({_s(batch.get('hash'))}: "
+        "docs/incidents.md says how to hash your data alike)" if hashes else "")
 
 
 def what_text(b: B.Bundle) -> List[str]:
@@ -105,8 +122,7 @@ def summary(b: B.Bundle) -> str:
         f"host {_s(run.get('host'))}, device {_s(run.get('device'))}, pid {_s(run.get('pid'))}",
         *what_text(b),
         f"  rows: {rows_text(m)}",
-        "  batch ids: " + (f"{len(m['batch'].get('ids') or [])} given" if m["batch"].get("known")
-                           else f"unknown ({_s(m['batch'].get('reason'))})"),
+        f"  batch ids: {batch_text(m)}",
     ]
     if hist.get("present") and steps is not None and len(steps):
         lines.append(f"  history: {len(steps)} steps ({int(steps[0])}..{int(steps[-1])}), "

@@ -32,6 +32,8 @@ class Step:
     batch: List[object]
     rows: Tuple[Tuple[int, torch.Tensor, int, int, int], ...] = ()
     """The packet's per-row block checks (``StepPacket.rows``), still on their device."""
+    hashes: Tuple[Tuple[str, torch.Tensor, int], ...] = ()
+    """The packet's row hashes of the root's inputs (``StepPacket.row_hashes``), on their device."""
 
 
 class Layout:
