@@ -493,20 +493,20 @@ def test_gradient_flow_enters_the_backward_then_records_the_gradient():
 
 def test_the_layer_hooks_are_registered_only_while_wanted():
     lin, calls = nn.Linear(2, 2), []
-    hooks = LayerHooks([Layer(0, "lin", lin, tuple(lin.parameters()))], lambda i, *a: calls.append(i))
+    hooks = LayerHooks([Layer(0, "lin", lin, tuple(lin.parameters()))], lambda module, *a: calls.append(module))
     hooks.want(True)
     hooks.want(True)  # already there: not twice
     lin(torch.ones(1, 2))
     hooks.want(False)
     lin(torch.ones(1, 2))
-    assert calls == [0]
+    assert calls == [lin]
 
 
 def test_on_an_ordinary_step_the_layer_hooks_go_unless_every_step_reads_the_layers():
     lin, wanted = nn.Linear(2, 2), {}
     for statistics in ((S.ACTIVATION,), (S.ACTIVATION, S.LAYER_FINITE)):
         fwd, _, _ = forward_hooks(*statistics)
-        fwd.layer_hooks = LayerHooks([Layer(0, "lin", lin, tuple(lin.parameters()))], fwd.on_forward)
+        fwd.layer_hooks = LayerHooks([Layer(0, "lin", lin, tuple(lin.parameters()))], fwd.layer_hook)
         fwd.layer_hooks.want(True)
         fwd.next_step(detail=False)
         fwd.want_layer_hooks()

@@ -86,7 +86,7 @@ def test_an_ordinary_step_enters_python_once_per_block_and_a_few_times_per_step(
     few = entries_of_an_ordinary_step(chain(10))
     many = entries_of_an_ordinary_step(chain(40))
     assert len(many) - len(few) == 30, (len(few), len(many))
-    assert many.count("on_block") == 40
+    assert many.count("block_hook") == 40
     # the root's three hooks, the backward's start and its two callbacks, the optimizer's two
     assert len(many) - 40 == 8, sorted(set(many))
 
@@ -95,7 +95,7 @@ def test_layers_inside_a_block_cost_no_python_call_on_an_ordinary_step():
     flat = entries_of_an_ordinary_step(chain(8, layers_per_block=1))
     deep = entries_of_an_ordinary_step(chain(8, layers_per_block=6))
     assert len(deep) == len(flat), (sorted(flat), sorted(deep))
-    assert "on_forward" not in deep and "on_param_grad" not in deep
+    assert "layer_hook" not in deep and "on_param_grad" not in deep
 
 
 def test_a_detail_step_still_records_every_layer(attach):
@@ -107,10 +107,10 @@ def test_a_detail_step_still_records_every_layer(attach):
     assert mon._recorder.detail_now
     with Entries() as seen:
         sgd_step(model, opt, model)
-    assert seen.names.count("on_forward") == 12  # the layers' hooks are back for the detail step
+    assert seen.names.count("layer_hook") == 12  # the layers' hooks are back for the detail step
     with Entries() as seen:
         sgd_step(model, opt, model)
-    assert "on_forward" not in seen.names  # and gone again after it
+    assert "layer_hook" not in seen.names  # and gone again after it
 
 
 def test_the_block_checks_of_an_ordinary_forward_are_one_batched_call(attach, monkeypatch):

@@ -149,10 +149,9 @@ class CoverageTracker:
                 for name, missing in self.coverage().gaps().items()]
         if gaps:
             hint = ""
-            if not self.seen[M.FAMILY_ACTIVATION] and not self.seen[M.FAMILY_GRAD_FLOW]:
-                hint = (" No forward hook ran in a training forward: under torch.compile gradmon's per-layer "
-                        "hooks are no-ops (gradient norms and non-finite counts still cover every step; a NaN's "
-                        "origin is told only as the model's input or output, not a block).")
+            if not self.seen[M.FAMILY_GRAD_FLOW]:
+                hint = (" No gradient-flow record came: under torch.compile gradient flow is not measured (its "
+                        "tensor hooks on the layers' outputs would break the graph); see docs/limits.md.")
             log.warning("gradmon[%s]: %d layer(s) not fully observable, reported in "
                         "gradmon_uncovered_layers and Monitor.coverage(): %s.%s", self.model,
                         len(gaps), "; ".join(gaps[:20]) + (" ..." if len(gaps) > 20 else ""), hint)

@@ -13,8 +13,7 @@ value the layer returned, which is exactly gradient flow, and covers the same la
 from __future__ import annotations
 
 import weakref
-from functools import partial
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -25,6 +24,8 @@ from ..statistics import Statistic
 from .guard import Guards
 from .layers import Layer
 from .records import StepRecords, iter_tensors
+from . import traced
+from .traced import TracedSlots
 
 
 def _recomputed_twice() -> bool:
@@ -37,18 +38,16 @@ def _recomputed_twice() -> bool:
     return node is not None and type(node).__name__ != "CheckpointFunctionBackward"
 
 
-def _compiling() -> bool:
-    # Under torch.compile the per-layer hooks are traced into the graph; a Python flag
-    # read there (detail_now) becomes a guard that recompiles every time it flips, and
-    # register_hook breaks the graph. So inside a compiled region they do nothing:
-    # dynamo folds this check to True and traces an empty hook.
-    return torch.compiler.is_compiling()
-
-
 class Forward:
     """The forward hooks' entry points (``on_*``) and what they keep from one call to the
     next: whether the root's forward is running, whether this step reads the layers
-    (``detail_now``), whether a hook ran inside a compiled region (``compiled``).
+    (``detail_now``), whether a hook ran inside a compiled region (``compiled``), whether
+    any ran since the last step (``ran``).
+
+    Inside a compiled region (``torch.compiler.is_compiling()``, which dynamo folds to
+    True when it traces a hook) each hook takes its traced branch first: its records go
+    to its slot in ``traced`` (see ``capture/traced.py``), read by the host after the
+    forward (:meth:`take_traced`).
 
     ``on_backward_start(grad)`` is hooked on the outputs a backward starts from (the
     root's, or a top-level block's called alone); ``enter_backward()`` runs first in each
@@ -70,6 +69,10 @@ class Forward:
         self.active = True
         self.detail_now = True
         self.compiled = False  # a hook ran inside a compiled region: hooks stay as they are
+        self.ran = False  # a hook of this monitor ran since the last step (see Recorder.end_step)
+        self.traced: Optional[TracedSlots] = None  # set by HookSet.install
+        self.keys: Dict[int, int] = {}  # id(top-level block) -> its BLOCK key
+        self.layer_keys: Dict[int, int] = {}  # id(layer) -> its index
         self.blocks = 0  # the root module's direct children: BLOCK keys 1..blocks
         self.layer_hooks: Optional[LayerHooks] = None  # set by HookSet.install
         self._in_root = False  # inside the root's forward
@@ -90,13 +93,29 @@ class Forward:
     def _training_forward(self, module: nn.Module) -> bool:
         return self.active and module.training and torch.is_grad_enabled() and not _recomputed_twice()
 
-    @torch._dynamo.disable
+    def _traced_forward(self, module: nn.Module) -> bool:
+        """A training forward, inside a compiled region: ``active`` (which changes only at
+        detach, then at the cost of one recompile) and what dynamo guards anyway; a
+        recomputation under compiled activation checkpointing is the compiler's own."""
+        self.compiled = self.ran = True
+        return self.active and self.traced is not None and module.training and torch.is_grad_enabled()
+
+    def take_traced(self) -> bool:
+        """The records the last compiled forward left, into this step's records (pending);
+        whether there were any. Nothing to look at before a hook ran compiled."""
+        return self.compiled and self.traced is not None and self.traced.take(self._rec, self.detail_now)
+
     def on_root_forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         """A forward whose root never returned (it raised) left records: drop them. The
         batch's own values are the first block record (key 0): a NaN that came with the
         data is named ``input``, not blamed on the first layer that passed it on."""
+        if torch.compiler.is_compiling():
+            if self._traced_forward(module) and self._block:
+                self.traced.record(module, traced.INPUT, (args, kwargs))
+            return
         if not self.active:
             return
+        self.ran = True
         self._rec.drop_pending(*S.FORWARD)
         self._rec.blocks.drop()
         self._in_root = True
@@ -113,15 +132,44 @@ class Forward:
         """The root's forward ended, returned or raised (``always_call``)."""
         self._in_root = False
 
+    # The hooks registered on blocks and layers carry no index of their own (a partial's
+    # arguments are guarded when compiled, so identical blocks compiled one by one would
+    # each compile again): the eager path looks the module's keys up.
+
+    def block_hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """A top-level block's forward hook (one that is also a layer: :meth:`layer_block_hook`)."""
+        if torch.compiler.is_compiling():
+            if self._traced_forward(module):
+                self.traced.record(module, traced.BLOCK, output)
+            return
+        self.on_block(self.keys[id(module)], None, module, inputs, output)
+
+    def layer_block_hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """The forward hook of a top-level block that is also a layer."""
+        if torch.compiler.is_compiling():
+            if self._traced_forward(module):
+                self.traced.record(module, traced.LAYER, output)
+                self.traced.record(module, traced.BLOCK, output)
+            return
+        self.on_block(self.keys[id(module)], self.layer_keys[id(module)], module, inputs, output)
+
+    def layer_hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """A layer's forward hook."""
+        if torch.compiler.is_compiling():
+            # every step: a Python flag read here (detail_now) would recompile the model
+            # each time it flips; the host drops what its cadence does not want
+            if self._traced_forward(module):
+                self.traced.record(module, traced.LAYER, output)
+            return
+        self.on_forward(self.layer_keys[id(module)], module, inputs, output)
+
     def on_block(self, block: int, layer: Optional[int], module: nn.Module, inputs: Any, output: Any) -> None:
         """A top-level block returned: its check waits for the end of the forward on an
         ordinary step (:class:`BlockChecks`), else one small reduction now. Called alone,
         outside the root's forward, its output marks the start of the backward."""
         if layer is not None:
             self.on_forward(layer, module, inputs, output)
-        if torch.compiler.is_compiling():  # see _compiling; called directly: this runs per block per step
-            self.compiled = True
-            return
+        self.ran = True
         with self._guard("forward"):
             if self._training_forward(module):
                 if not (self._defer_blocks and self._rec.blocks.defer(block, output)):
@@ -130,9 +178,7 @@ class Forward:
                     self._watch_backward(output)
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
-        if _compiling():
-            self.compiled = True
-            return
+        self.ran = True
         if not (self.detail_now or self._layer):
             return
         with self._guard("forward"):
@@ -153,13 +199,19 @@ class Forward:
             if values_of is not None:
                 self._rec.record(S.OUTPUT_GRAD, layer, values_of, "grad_flow")
 
-    @torch._dynamo.disable
     def on_root_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        """Runs eagerly even when the model is compiled (a graph break after the whole
-        forward, not inside it), so end-of-backward measurement works under compile."""
+        """Commits the forward's records. Compiled with the model, it records the root's
+        output and nothing else: no tensor hook on the output (``register_hook`` inside a
+        compiled region breaks the graph); the monitored parameters' post-accumulate-grad
+        hooks, kept under compile, tell the backward's start instead."""
+        if torch.compiler.is_compiling():
+            if self._traced_forward(module) and self._block:
+                self.traced.record(module, traced.OUTPUT, output)
+            return
         if not self.active:
             return
         with self._guard("forward"):
+            self.take_traced()  # the top-level blocks compiled one by one (torchtitan's way)
             self._rec.flush_blocks(self._record_root_output(module, output))
             self._rec.end_of_pass()
             self._rec.commit(self._rec.each(*S.FORWARD), "forward")
@@ -198,16 +250,16 @@ class LayerHooks:
     PyTorch's fast call path, which alone costs about a microsecond a call."""
 
     def __init__(self, layers: Sequence[Layer], hook: Callable[..., None]) -> None:
-        self._layers = [(layer.index, weakref.ref(layer.module)) for layer in layers]
+        self._layers = [weakref.ref(layer.module) for layer in layers]
         self._hook = hook
         self._handles: List[Any] = []
 
     def want(self, on: bool) -> None:
         if on and not self._handles:
-            for index, ref in self._layers:
+            for ref in self._layers:
                 module = ref()
                 if module is not None:
-                    self._handles.append(module.register_forward_hook(partial(self._hook, index)))
+                    self._handles.append(module.register_forward_hook(self._hook))
         elif not on and self._handles:
             self.remove()
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,7 +42,7 @@ from .. import statistics as S
 from ..config import Config
 from ..errors import ErrorLog
 from ..statistics import Statistic
-from . import amp, optimizer, sharded, writer
+from . import amp, optimizer, sharded, traced, writer
 from .boundary import Event, StepBoundary
 from .forward import Forward, LayerHooks
 from .grads import ParamGradients
@@ -54,6 +53,7 @@ from .packet import GlobalStepUpdate, StepPacket
 from .params import ParamSlots
 from .passes import BackwardPasses, graph_task_id
 from .records import KEEP_SCRATCH_EVERY, StepRecords
+from .traced import TracedSlots
 from .values import StepValues
 
 log = logging.getLogger("gradmon")
@@ -94,6 +94,7 @@ class Recorder:
         self._reads = optimizer.Reads(cfg.optimizer_sample)
         self._active = True
         self._guard = Guards(errors)
+        self._forward_warned = False
         self.steps = 0
         self.step_offset = 0
         self._rec = StepRecords(self.statistics, tuple(layer.name for layer in layers), errors,
@@ -193,6 +194,7 @@ class Recorder:
         if not self._active:
             return
         with self._guard("backward", self._step.fail):
+            self.forward.take_traced()  # a compiled forward's records
             # OUTPUT too: reentrant checkpointing re-runs forwards inside backward
             self._rec.flush_blocks()
             self._rec.end_of_pass()
@@ -325,6 +327,9 @@ class Recorder:
                                 learning_rates=self._values.host_learning_rates(), rows=rows, row_hashes=hashes)
             self._grads.reduce(self._values.batched, self._step.failed, self.errors)
             try:
+                if self.forward.take_traced():  # a compiled forward that no backward followed
+                    self._rec.commit(self._rec.each(*S.FORWARD), "forward")
+                self._check_forward_hooks_ran(index)
                 # what a forward or backward that did not complete recorded is not this step's
                 self._rec.drop_pending()
                 packet = writer.write(packet, self.statistics, self._rec.by_name, self._values.batched,
@@ -344,6 +349,22 @@ class Recorder:
                 self._next_hooks()
             except Exception as exc:
                 self.errors.record("step", exc)
+
+    def _check_forward_hooks_ran(self, index: int) -> None:
+        """Say once when a backward measured the step's gradients but none of this
+        monitor's forward hooks ran: the model was compiled before ``attach()``, and
+        torch.compile does not see hooks added after its first call."""
+        if self.forward.ran or self._step.measured_at_step or self._forward_warned:
+            self.forward.ran = False
+            return
+        self._forward_warned = True
+        log.warning(
+            "gradmon: step %d had a backward but none of gradmon's forward hooks ran: the model was most likely "
+            "compiled (torch.compile) before attach(), and compiled code ignores hooks added after its first call "
+            "(torch._dynamo.config.skip_nnmodule_hook_guards). Gradient norms and non-finite counts are measured; "
+            "activations and the per-block NaN origin are not. Attach before the first compiled call, or call "
+            "torch._dynamo.reset() after attach() (every compiled function is compiled again, once). "
+            "See docs/integrations.md#torchcompile.", index)
 
     def _next_hooks(self) -> None:
         """The hooks the next step needs, and only those: per-parameter hooks while a
@@ -383,11 +404,14 @@ class HookSet:
                 for key, block in enumerate(blocks, start=1):
                     if layered and id(block) in index:
                         both[id(block)] = index[id(block)]
+                    forward.keys[id(block)] = key
                     self._handles.append(block.register_forward_hook(
-                        partial(forward.on_block, key, both.get(id(block)))))
+                        forward.layer_block_hook if id(block) in both else forward.block_hook))
+            forward.layer_keys.update((id(layer.module), layer.index) for layer in layers)
+            forward.traced = self._traced_slots(recorder, root, layers, blocks, f"{id(recorder):x}")
             if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER):
                 forward.layer_hooks = LayerHooks([layer for layer in layers if id(layer.module) not in both],
-                                                 forward.on_forward)
+                                                 forward.layer_hook)
                 self._handles.append(forward.layer_hooks)
                 forward.layer_hooks.want(True)  # the first step is a detail step
             self._handles.append(root.register_forward_pre_hook(forward.on_root_forward_pre, with_kwargs=True))
@@ -401,6 +425,19 @@ class HookSet:
         except BaseException:
             self.remove()
             raise
+
+    @staticmethod
+    def _traced_slots(recorder: Recorder, root: nn.Module, layers: Sequence[Layer], blocks: Sequence[nn.Module],
+                      tag: str) -> TracedSlots:
+        """Where the hooks compiled with the model leave their records, and which key each is."""
+        slots = TracedSlots(recorder.statistics, tag)
+        slots.watch(root, traced.INPUT, 0)
+        for key, block in enumerate(blocks, start=1):
+            slots.watch(block, traced.BLOCK, key)
+        slots.watch(root, traced.OUTPUT, len(blocks) + 1)
+        for layer in layers:
+            slots.watch(layer.module, traced.LAYER, layer.index)
+        return slots
 
     def remove(self) -> None:
         """Removes every handle, even if one of them fails; the first failure is raised after."""

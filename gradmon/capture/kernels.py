@@ -51,9 +51,11 @@ def _l2(t: torch.Tensor) -> torch.Tensor:
     with itself: 2-2.5x faster than ``vector_norm`` there, and more accurate (in float32
     at 1M elements: 1e-6 relative error against vector_norm's 1e-5). Both overflow alike
     (a value above ~1.8e19 squares to Inf in float32), so a finite norm still proves the
-    tensor finite (:func:`_host_says_finite`)."""
+    tensor finite (:func:`_host_says_finite`). Inside a compiled region the dot would be an
+    extern call, which Inductor cannot fuse with the record's other reductions: there it
+    is ``vector_norm``."""
     if (t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.numel() >= _DOT_MIN
-            and t.is_contiguous()):
+            and t.is_contiguous() and not torch.compiler.is_compiling()):
         flat = t.reshape(-1)
         return torch.dot(flat, flat).sqrt()
     return torch.linalg.vector_norm(t, 2, dtype=_norm_dtype(t))
@@ -71,9 +73,10 @@ def _host_says_finite(norms: torch.Tensor) -> bool:
     data, ten times the norm itself. Only a CPU norm is looked at: it is host memory
     already, so reading it waits for nothing (``tolist`` does not even dispatch). On
     an accelerator the answer is always False and the counts are computed on the
-    device every step, because looking would be a host sync.
+    device every step, because looking would be a host sync. Inside a compiled region
+    too: there the counts fuse into the norm's own pass, and a read would break the graph.
     """
-    if norms.device.type != "cpu":
+    if norms.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     values = norms.tolist()
     return all(map(math.isfinite, values if isinstance(values, list) else [values]))
@@ -182,7 +185,9 @@ def sample(x: torch.Tensor, limit: int) -> torch.Tensor:
     channel and spatial row); :func:`sample_runs` is cheaper to gather but only spreads
     evenly over a matrix's rows and columns."""
     flat = x.detach().reshape(-1)
-    stride = _sample_stride(x.shape, flat.numel(), limit)
+    # traced, the cache is the compiler's: it computes the stride once per shape anyway
+    stride = (_sample_stride.__wrapped__ if torch.compiler.is_compiling() else _sample_stride)(
+        tuple(x.shape), flat.numel(), limit)
     return flat[::stride] if stride > 1 else flat
 
 

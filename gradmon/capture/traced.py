@@ -1,0 +1,95 @@
+"""The forward hooks' records inside a compiled region (``torch.compile``).
+
+There the hooks are traced into the model's graph, so what they do must be tensor work
+the compiler keeps, and nothing it would turn into a guard or a graph break: no Python
+flag that changes from step to step is read (a flag that flips becomes a guard, and the
+model is compiled again each time it does), no host read, no timer, no try/except, no
+``register_hook``. Each hook makes every statistic recorded at its moment, every step
+(Inductor fuses a layer's reductions into one pass over its output, or into the kernel
+that produced it), and stores them as an attribute of the module it ran on: a store of a
+value the compiled code never reads is replayed after the graph runs and guarded on
+nothing, and it names no layer index, so the identical blocks of a model compiled block
+by block share one compiled graph. The host takes them (:meth:`TracedSlots.take`) after
+the forward, at the end of backward or of the step, and keeps the records its cadence
+wants (``detail_every``): the rest were computed on the device and are dropped.
+
+A module holds one call's records: a layer called several times in one forward, or one
+model's several forwards before a backward, keeps its last call's (docs/limits.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .. import statistics as S
+from ..statistics import Statistic
+from .layers import is_floating
+from .records import StepRecords, iter_tensors
+
+INPUT, BLOCK, LAYER, OUTPUT = "input", "block", "layer", "output"
+"""Where a compiled hook ran: the root's pre-hook (its input), a top-level block, a
+layer, the root's hook (its output)."""
+
+
+class TracedSlots:
+    """Where one monitor's compiled hooks leave their records: an attribute per kind of
+    hook on each module (named for the monitor, so that two monitors of one module keep
+    theirs apart), and the record key each stands for."""
+
+    def __init__(self, statistics: Sequence[Statistic], tag: str) -> None:
+        self._stats = {kind: tuple(st for st in statistics if st.at in moments)
+                       for kind, moments in ((INPUT, (S.BLOCK,)), (BLOCK, (S.BLOCK,)), (OUTPUT, (S.BLOCK,)),
+                                             (LAYER, (S.OUTPUT, S.LAYER)))}
+        self._attr = {kind: f"_gradmon_{tag}_{kind}" for kind in self._stats}
+        self._detail = {st.name: st.detail for st in statistics}
+        self._slots: List[Tuple["weakref.ref[nn.Module]", str, int]] = []  # (module, its attribute, key)
+
+    def watch(self, module: nn.Module, kind: str, key: int) -> None:
+        """At attach: ``module``'s ``kind`` hook records under ``key``."""
+        if self._stats[kind]:
+            self._slots.append((weakref.ref(module), self._attr[kind], key))
+
+    def wants(self, kind: str) -> bool:
+        return bool(self._stats[kind])
+
+    def record(self, module: nn.Module, kind: str, values: Any) -> None:
+        """Traced: the records of ``values`` made at a ``kind`` hook, left on ``module``."""
+        setattr(module, self._attr[kind], _records(self._stats[kind], values))
+
+    def take(self, records: StepRecords, detail: bool) -> bool:
+        """Host: every record a compiled hook left, into ``records`` (pending, committed
+        like the eager hooks' own), the detail statistics' only on a detail step; each is
+        taken once. Whether there was any. Records are folded in key order here; the
+        origin is decided by key, not by arrival."""
+        filled = False
+        for ref, attr, key in self._slots:
+            module = ref()
+            made = module.__dict__.pop(attr, None) if module is not None else None
+            if made is None:
+                continue
+            filled = True
+            for numel, by_name in made:
+                for name, parts in by_name.items():
+                    if detail or not self._detail[name]:
+                        records.by_name[name].add(key, numel, parts)
+        return filled
+
+
+_Made = Tuple[Tuple[int, Dict[str, Tuple[torch.Tensor, ...]]], ...]  # each tensor's (numel, records by name)
+
+
+def _records(statistics: Sequence[Statistic], values: Any) -> _Made:
+    """Each statistic's record of each floating-point tensor among ``values``, as the
+    eager hooks make them (``Statistic.record``: the kernels take their compiled branch)."""
+    made = []
+    for t in iter_tensors(values):
+        if not is_floating(t) or t.numel() == 0:
+            continue
+        x = t.detach()
+        made.append((t.numel(), {st.name: tuple(st.record(x)) for st in statistics
+                                 if st.dtypes is None or t.dtype in st.dtypes}))
+    return tuple(made)

@@ -1,0 +1,134 @@
+"""The full view under torch.compile (issue 27), on the CPU Inductor backend: the model
+compiled whole with ``fullgraph=True`` and gradmon attached runs 100 steps without a graph
+break or a recompile (the detail cadence flips every other step), and reports the same
+activation statistics and the same NaN origin as an eager twin fed the same batches.
+
+Inductor compiles cost tens of seconds here, so the module compiles one model, once
+(a module-scoped run), and the tests read what it saw.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import gradmon
+from conftest import scrape
+
+STEPS = 100
+
+
+def model() -> nn.Module:
+    """Top-level blocks ``inp``, ``body`` (a container: not a layer) and ``head``; four
+    layers. Linear and ReLU only: Inductor and eager then compute bit-identical outputs,
+    so max|x| can be compared exactly."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(
+        inp=nn.Linear(6, 32),
+        body=nn.Sequential(nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)),
+        head=nn.Linear(32, 3)))
+
+
+def train(forward, opt, batches, mon):
+    for x in batches:
+        loss = forward(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert mon.flush()
+
+
+def family(samples, name, model):
+    """Each layer's value of ``name`` for ``model`` (monitors of a process share one endpoint)."""
+    return {dict(labels)["layer"]: v for (n, labels), v in samples.items()
+            if n == name and dict(labels)["model"] == model}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """One compiled and one eager monitor over twin models, the same batches, lr 0 (the
+    twins stay equal); then a NaN put in ``body``'s last weight of both, one more step."""
+    torch._dynamo.reset()
+    compiled_model, eager_model = model(), model()
+    options = dict(port=0, addr="127.0.0.1", final_scrape_timeout=0, detail_every=2)
+    mon_c = gradmon.attach(compiled_model, name="compiled", **options)
+    mon_e = gradmon.attach(eager_model, name="eager", **options)
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    opt_c = torch.optim.SGD(compiled_model.parameters(), lr=0.0)
+    opt_e = torch.optim.SGD(eager_model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 6, generator=g) * (1 + i % 7) for i in range(STEPS)]
+    counters.clear()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            train(compiled, opt_c, batches, mon_c)
+        seen = dict(graph_breaks=dict(counters["graph_break"]), graphs=counters["stats"]["unique_graphs"],
+                    recompiles=dict(counters["recompiles"]))
+        train(eager_model, opt_e, batches, mon_e)
+        before = {"compiled": scrape(mon_c.url), "eager": scrape(mon_e.url),
+                  "errors": (mon_c._errors.counts(), mon_e._errors.counts())}
+        with torch.no_grad():
+            compiled_model.body[3].weight[0, 0] = math.nan
+            eager_model.body[3].weight[0, 0] = math.nan
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            train(compiled, opt_c, batches[:1], mon_c)
+        train(eager_model, opt_e, batches[:1], mon_e)
+        nan = {"compiled": mon_c.snapshot(), "eager": mon_e.snapshot()}
+        yield seen, before, nan
+    finally:
+        mon_c.detach()
+        mon_e.detach()
+        torch._dynamo.reset()
+
+
+def test_fullgraph_compile_with_gradmon_attached_neither_breaks_nor_recompiles(runs):
+    seen, before, _ = runs
+    assert seen["graph_breaks"] == {} and seen["recompiles"] == {}
+    assert seen["graphs"] == 1
+    assert before["compiled"][("gradmon_steps_total", (("model", "compiled"),))] == STEPS
+    assert before["errors"][0] == before["errors"][1] and sum(before["errors"][0].values()) == 0
+
+
+def test_compiled_activation_statistics_equal_eager(runs):
+    _, before, _ = runs
+    compiled, eager = before["compiled"], before["eager"]
+    for name, rel in (("gradmon_activation_abs_max", 0.0), ("gradmon_activation_rms", 1e-5),
+                      ("gradmon_activation_kurtosis", 1e-5)):
+        got, want = family(compiled, name, "compiled"), family(eager, name, "eager")
+        assert set(got) == set(want) == {"inp", "body.1", "body.3", "head"}, name
+        for layer, v in want.items():
+            assert got[layer] == pytest.approx(v, rel=rel, abs=0.0), (name, layer)
+    # the last step (99) was not a detail step: what is exported is step 98's, on both
+    assert family(compiled, "gradmon_grad_norm", "compiled") == pytest.approx(
+        family(eager, "gradmon_grad_norm", "eager"), rel=1e-5)
+
+
+def test_compiled_nan_origin_names_the_same_block(runs):
+    _, _, nan = runs
+    origin = {name: {o.tensor: o.layer for o in snap.nonfinite_origin} for name, snap in nan.items()}
+    assert origin["compiled"].get("block") == origin["eager"].get("block") == "body"
+    assert origin["compiled"].get("activation") == "body.3"  # the NaN step is a detail step
+    assert origin["compiled"] == origin["eager"]
+
+
+def test_attaching_after_the_first_compiled_call_is_said_and_a_reset_recovers(attach, caplog):
+    torch._dynamo.reset()
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    compiled = torch.compile(net, backend="eager")  # the hooks' story is dynamo's, not Inductor's
+    compiled(torch.randn(2, 4))  # compiled with no hook
+    mon = attach(net, name="late", detail_every=1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="gradmon"):
+        train(compiled, opt, [torch.randn(2, 4)] * 2, mon)
+    assert "compiled (torch.compile) before attach()" in caplog.text
+    assert not family(scrape(mon.url), "gradmon_activation_rms", "late")
+    torch._dynamo.reset()
+    train(compiled, opt, [torch.randn(2, 4)] * 2, mon)
+    assert set(family(scrape(mon.url), "gradmon_activation_rms", "late")) == {"0", "2"}
+    torch._dynamo.reset()
