@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -136,6 +136,17 @@ def summary(path: str, cwd: str) -> str:
                          text=True, timeout=120, cwd=str(cwd), env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def documented_row_hash() -> Callable[[Any], List[str]]:
+    """The reference code of docs/incidents.md's *Row hashes*, as a user would run it on
+    their data (a NumPy array, as the model received it): one hex string per row."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "incidents.md"), encoding="utf-8") as f:
+        section = f.read().split("## Row hashes", 1)[1].split("\n## ", 1)[0]
+    namespace: Dict[str, Any] = {}
+    exec(section.split("```python\n", 1)[1].split("```", 1)[0], namespace)  # noqa: S102 - the repository's own docs
+    return namespace["gradmon_row_hash"]
 
 
 def ddp_rank(rank: int, world: int, master_port: int, out: str, poison_rank: int = 1) -> None:

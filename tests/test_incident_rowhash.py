@@ -3,10 +3,8 @@ inputs, made on the device: the same hash the reference code in docs/incidents.m
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable, List
+from typing import List
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,17 +12,7 @@ from gradmon.capture import records, rowhash
 from gradmon.incidents import bundle as B
 
 import incident_worker as W
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "incidents.md"
-
-
-def documented_row_hash() -> Callable[[np.ndarray], List[str]]:
-    """The reference code of docs/incidents.md's *Row hashes*, as the user would run it."""
-    section = DOC.read_text().split("## Row hashes", 1)[1].split("\n## ", 1)[0]
-    namespace: dict = {}
-    exec(section.split("```python\n", 1)[1].split("```", 1)[0], namespace)  # noqa: S102 - our own docs
-    return namespace["gradmon_row_hash"]
-
+from incident_worker import documented_row_hash
 
 def hex_of(hashes: torch.Tensor) -> List[str]:
     return [format(v & 0xFFFFFFFFFFFFFFFF, "016x") for v in hashes.tolist()]

@@ -405,3 +405,67 @@ def test_the_kill_switch_makes_the_callback_a_no_op_even_with_a_bad_option(tmp_p
     gm = GradmonCallback(prot=1)  # as attach() under GRADMON_DISABLE: nothing is checked, nothing runs
     Trainer(model=Plain(), args=trainer_args(tmp_path, steps=1), train_dataset=Tokens(8), callbacks=[gm]).train()
     assert gm.monitor.state == "disabled" and gm.monitor.url is None
+
+
+class IdTokens(Tokens):
+    """Each sample carries its id (its index + 1000) in an ``id`` column."""
+
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "id": 1000 + i}
+
+
+class NanInFirstBlock(TrainerCallback):
+    """At optimizer step ``at``, row ``row`` of the first GPT-2 block's output becomes NaN (a
+    forward hook: the job's own numerics going wrong in ``transformer``); the ``input_ids`` of
+    that forward are kept, to look its samples up in the dataset."""
+
+    def __init__(self, model, at: int, row: int) -> None:
+        self.at, self.row, self.step, self.input_ids = at, row, 0, None
+        model.transformer.h[0].register_forward_hook(self._poison)
+        model.register_forward_pre_hook(self._inputs, with_kwargs=True)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step + 1
+
+    def _inputs(self, module, args, kwargs):
+        if module.training and self.step == self.at:
+            assert "id" not in kwargs  # the id column never reaches the model
+            self.input_ids = kwargs["input_ids"].clone()
+
+    def _poison(self, module, args, output):
+        if module.training and self.step == self.at:
+            output[self.row] = float("nan")
+
+
+def _incident_bundle(tmp_path, dataset, **arguments) -> tuple:
+    """A Trainer run whose step 3 goes NaN in row 1 of the first block; its bundle and the
+    input_ids of that step's batch."""
+    from gradmon.integrations.transformers import GradmonCallback
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0, incident_dir=str(tmp_path / "incidents"))
+    model = tiny_gpt2()
+    poison = NanInFirstBlock(model, at=3, row=1)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, **arguments)
+    Trainer(model=model, args=args, train_dataset=dataset, callbacks=[gm, poison]).train()
+    (path,) = (tmp_path / "incidents").glob("*.npz")
+    from gradmon.incidents import bundle as B
+    return B.load(str(path)).meta, poison.input_ids
+
+
+@pytest.mark.parametrize("keep", [dict(remove_unused_columns=False), dict(label_names=["labels", "id"])],
+                         ids=["remove_unused_columns_false", "id_in_label_names"])
+def test_the_trainer_callback_names_the_ids_of_the_rows_that_went_nonfinite(tmp_path, keep):
+    """The Trainer drops a column the model's forward does not take; kept (either way), the
+    callback takes the ids out of the model's inputs and gives them to observe(batch=...)."""
+    data = IdTokens(32)
+    meta, input_ids = _incident_bundle(tmp_path, data, **keep)
+    expected = [1000 + next(i for i in range(len(data)) if torch.equal(data.ids[i], row)) for row in input_ids]
+    assert meta["incident"]["step"] == 3 and meta["incident"]["block"] == "transformer"
+    assert meta["rows"]["rows"] == [1] and meta["batch"]["ids"] == expected and meta["batch"]["hashes"] == {}
+
+
+def test_without_an_id_column_the_trainer_callback_names_the_rows_by_their_input_ids_hash(tmp_path):
+    from incident_worker import documented_row_hash
+    meta, input_ids = _incident_bundle(tmp_path, Tokens(32))
+    assert meta["rows"]["rows"] == [1] and not meta["batch"]["known"]
+    assert meta["batch"]["hashes"]["input_ids"] == documented_row_hash()(input_ids.numpy())

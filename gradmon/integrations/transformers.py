@@ -7,6 +7,9 @@ training forwards (kept on the device) and, just before each optimizer step, han
 step's loss to ``monitor.observe()``: the micro-batches' mean, or their sum where the
 Trainer normalised them by ``num_items_in_batch`` (each is then its share of the step's
 loss), so that ``gradmon_loss`` is the loss the Trainer logs for that step on this rank.
+Callbacks never see the batch either: a forward pre-hook takes a sample-id column the model
+does not take (``ID_KEYS``; the Trainer keeps it with ``remove_unused_columns=False`` or in
+``label_names``) out of the model's inputs and gives it to ``observe(batch=...)``.
 After each optimizer step ``gradmon_step`` becomes ``state.global_step``, also after a
 step an fp16 GradScaler skipped (counted in ``gradmon_amp_skipped_steps_total``). Train end detaches
 (``finished``). Callbacks have no exception event: an exception out of ``train()`` that
@@ -20,12 +23,15 @@ DeepSpeed ZeRO, which keeps them outside ``p.grad``, gradmon warns and states th
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import inspect
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from transformers import TrainerCallback
 
 from .. import sharded
+from ..incidents.recorder import ID_KEYS, ids_in
+from ..monitor import Monitor
 from ._run import CallbackRun, ClosingCallback
 
 
@@ -62,6 +68,35 @@ class _LossTap:
         return loss
 
 
+class _IdTap:
+    """The model's forward pre-hook: a batch's sample ids from its id column (``ID_KEYS``),
+    which the model's forward does not take, are taken out of its inputs (in every forward,
+    so that an evaluation batch reaches the model as it would without the column) and, in a
+    training forward, given to ``monitor.observe(batch=...)``. The Trainer's callbacks never
+    see the batch; this is where its ids still are."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.monitor: Optional[Monitor] = None
+        try:
+            taken = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            taken = {}
+        # a forward that names the key takes it as its own input (nanoGPT's ``idx``: tokens)
+        self.keys = tuple(k for k in ID_KEYS if k not in taken)
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> Optional[Tuple[Any, Any]]:
+        key = next((k for k in self.keys if k in kwargs), None)
+        if key is None:
+            return None
+        ids = ids_in({key: kwargs[key]})
+        if ids is None:
+            return None  # not sample ids: the model gets what it was given
+        kwargs = {k: v for k, v in kwargs.items() if k != key}
+        if self.monitor is not None and module.training and torch.is_grad_enabled():
+            self.monitor.observe(batch=ids)
+        return args, kwargs
+
+
 class GradmonCallback(ClosingCallback, TrainerCallback):
     """``options`` are :func:`gradmon.attach`'s, checked here (a TypeError or ValueError
     naming the option); the ``GRADMON_*`` variables still win. ``callback.monitor`` is the
@@ -88,6 +123,10 @@ class GradmonCallback(ClosingCallback, TrainerCallback):
             monitor._add_limit(sharded.DEEPSPEED)
         self._loss.take()  # a crashed step's losses are not the next run's
         self._run.own(model.register_forward_hook(self._loss, with_kwargs=True))
+        ids = _IdTap(model)
+        ids.monitor = monitor
+        # first of the pre-hooks: gradmon's own then sees the batch without its ids, and no row is hashed
+        self._run.own(model.register_forward_pre_hook(ids, with_kwargs=True, prepend=True))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
         loss = self._loss.take()
