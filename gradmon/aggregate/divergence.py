@@ -14,17 +14,21 @@ Two tiers, after what separates a divergence from a bad batch in recorded runs:
   back below ``settled`` times its best (hysteresis: a trend hovering at the threshold is one
   warning, not a dozen).
 - **a page** needs the loss to confirm it: the trend at ``diverged`` times its best *and*
-  ``floor`` above it (in the loss's own units: 0.002 against 0.001 is no divergence), and
-  evidence that came *before* the loss left its best: a spike of any signal in the
-  ``evidence`` steps before the trend's climb began (and at least ``creep`` steps before it:
-  the trend, a mean, crosses ``onset`` a few steps after a jump in the loss), or a climb that
-  took ``creep`` steps or more. The trend of ``window`` losses takes 16/(k-1) steps from 1.2x
-  to 2x its best after a k-fold step in the loss: a climb of ``creep`` (4) steps or more is a
-  loss that rose at most five-fold at once, or rose over many steps, as a model losing its fit
-  does; a bad batch's loss (random labels: chance level) is many times a trained model's best
-  and jumps there in one step. Without evidence, a trend that stays diverged for ``sustain`` steps pages
-  too. A non-finite loss pages at once. The page holds until the trend falls below
-  ``settled`` times its best.
+  ``floor`` above it (in the loss's own units: 0.002 against 0.001 is no divergence), or one
+  loss back at the run's starting level after the trend had fallen below half of it (the
+  model lost what it learned), and evidence that this is the model, not a batch. The climb is
+  dated from the loss's recent *level* (an exponentially weighted mean over ``level_steps``),
+  not from the trend's best (the luckiest mean of the run, which a noisy trend sits above for
+  long stretches): it begins where the mean of the last ``onset_window`` losses rose to
+  ``onset`` times the level. Evidence: the climb's loss rose through intermediate values,
+  taking ``ramp`` steps or more to come within a fifth of its highest (a model losing its fit;
+  a bad batch's loss jumps to its top at once), or a spike of any signal in the ``evidence``
+  steps before the climb began (at least ``creep`` steps before it: the short mean crosses
+  ``onset`` a step or two after a jump). A climb whose loss jumped to ``jump`` times its
+  level or more without such a ramp is a bad batch's signature: spikes before it are no
+  evidence. Without evidence, a trend that stays diverged for ``sustain`` steps pages too. A
+  non-finite loss pages at once. The page holds until the trend falls below ``settled``
+  times its best.
 
 A batch of bad data (a loss and gradient spike in the same step, from a healthy trend) is a
 warning that clears when the batch has passed; a divergence whose gradients moved first
@@ -38,10 +42,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, FrozenSet, Iterable, Optional, Tuple
 
+NEAR_TOP = 0.8
+"""A climb's loss is near its top from this share of the way up (from its level to its highest)."""
+
 SIGNAL_NONFINITE_LOSS = "nonfinite_loss"
 """Evidence: the loss itself was NaN or infinite."""
 SIGNAL_LOSS_CREEP = "loss_creep"
-"""Evidence: the trend took ``creep`` steps or more to climb from ``rising`` to ``diverged``."""
+"""Evidence: the loss climbed through intermediate values (``ramp`` steps or more) before the divergence."""
 SIGNAL_LOSS_SUSTAINED = "loss_sustained"
 """Evidence: the trend stayed diverged for ``sustain`` steps."""
 
@@ -59,35 +66,49 @@ class DivergenceSettings:
     diverged: float = 2.0
     """The trend at this many times its best (and ``floor`` above it) confirms a divergence."""
     onset: float = 1.2
-    """The trend's climb begins where it last rose above this many times its best."""
+    """The climb begins where the mean of the last ``onset_window`` losses rose above this many
+    times the loss's recent ``level`` and stayed there."""
+    onset_window: int = 4
+    """Losses whose mean dates the climb: a few steps, so the date is the loss's, not the lagging trend's."""
+    level_steps: int = 200
+    """Steps over which the loss's recent level (an exponentially weighted mean, each loss clipped
+    at ``rising`` times it) follows the loss: the climb is measured from where the loss has been,
+    not from the luckiest mean of the run."""
     evidence: int = 300
     """Steps before the climb's beginning in which a spike counts as evidence."""
     creep: int = 4
-    """A climb from ``onset`` to ``diverged`` that took this many steps is evidence itself; a
-    spike counts only this many steps or more before the climb began."""
+    """A spike counts as evidence only this many steps or more before the climb began."""
+    ramp: int = 3
+    """A climb whose loss took this many steps to come within a fifth of its highest rose
+    through intermediate values: the model losing its fit (evidence), not a batch."""
+    jump: float = 3.0
+    """A climb without a ramp whose loss reached this many times its level is a jump, a bad
+    batch's signature: spikes before it are no evidence."""
     sustain: int = 100
     """Steps a diverged trend without other evidence must last to page."""
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be at least 1, got {self.window}")
+        if self.window < 1 or self.onset_window < 1 or self.level_steps < 1:
+            raise ValueError("window, onset_window and level_steps must be at least 1")
         if not 1 < self.onset <= self.settled < self.rising < self.diverged:
             raise ValueError("need 1 < onset <= settled < rising < diverged")
 
 
 class LossTrend:
-    """The mean of the last ``window`` finite losses and the lowest such mean seen."""
+    """The mean of the last ``window`` finite losses, the lowest such mean seen, and the first:
+    where the run started (an untrained model's loss, about chance for a classifier)."""
 
     def __init__(self, window: int) -> None:
         self._losses: Deque[float] = deque(maxlen=window)
         self._sum = 0.0
         self.value: Optional[float] = None
         self.best: Optional[float] = None
+        self.start: Optional[float] = None
 
     def restart(self) -> None:
         self._losses.clear()
         self._sum = 0.0
-        self.value = self.best = None
+        self.value = self.best = self.start = None
 
     def update(self, loss: float) -> None:
         if len(self._losses) == self._losses.maxlen:
@@ -97,6 +118,8 @@ class LossTrend:
         if len(self._losses) < (self._losses.maxlen or 1):
             return  # a partial window's mean is one batch's noise at the start
         self.value = self._sum / len(self._losses)
+        if self.start is None:
+            self.start = self.value
         if self.best is None or self.value < self.best:
             self.best = self.value
 
@@ -107,8 +130,79 @@ class LossTrend:
             return None
         return self.value / self.best
 
+    def back_to_start(self, loss: float) -> bool:
+        """Whether ``loss`` is back at the run's starting level after the trend had fallen
+        below half of it: the model lost what it learned (a positive loss only)."""
+        return (self.start is not None and self.best is not None and 0 < self.best < self.start / 2
+                and loss >= self.start)
+
     def above_best(self) -> float:
         return 0.0 if self.value is None or self.best is None else self.value - self.best
+
+
+class Climb:
+    """The loss's current climb: the streak of steps in which the mean of the last ``window``
+    losses has stayed at ``ratio`` times the loss's recent level or more, and each of its
+    losses as a multiple of that level.
+
+    The level is an exponentially weighted mean of the loss over about ``level_steps`` steps,
+    each loss entering it clipped at ``clip`` times it, so that a bad batch does not lift it;
+    a loss that settles higher for good is followed within a few windows."""
+
+    def __init__(self, window: int, ratio: float, level_steps: int, clip: float, longest: int) -> None:
+        self._recent: Deque[float] = deque(maxlen=window)
+        self._sum = 0.0
+        self._ratio, self._clip = ratio, clip
+        self._alpha = 2.0 / (level_steps + 1)
+        self._seen = 0
+        self.level: Optional[float] = None
+        self.since: Optional[int] = None  # the step the current climb began; None: no climb
+        self.ratios: Deque[float] = deque(maxlen=longest)  # the climb's losses over the level
+
+    def restart(self) -> None:
+        self._recent.clear()
+        self._sum, self._seen = 0.0, 0
+        self.level = self.since = None
+        self.ratios.clear()
+
+    def update(self, step: int, loss: float) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            self._sum -= self._recent[0]
+        self._recent.append(loss)
+        self._sum += loss
+        level = self.level
+        if level is not None and len(self._recent) == self._recent.maxlen:
+            # hysteresis: a climb begins at ``ratio`` times the level and lasts while the mean
+            # stays above halfway to it, so a noisy ramp is one climb, not several short ones
+            bar = self._ratio if self.since is None else (1.0 + self._ratio) / 2
+            if level > 0 and self._sum / len(self._recent) >= bar * level:
+                if self.since is None:
+                    self.since = step
+                self.ratios.append(loss / level)
+            else:
+                self.since = None
+                self.ratios.clear()
+        self._seen += 1
+        # the first losses average plainly: an exponential weight on one value is no level
+        rate = max(self._alpha, 1.0 / self._seen)
+        if level is None:
+            self.level = loss
+        else:
+            self.level = level + rate * ((min(loss, self._clip * level) if level > 0 else loss) - level)
+
+    def top(self) -> float:
+        """The climb's highest loss as a multiple of the level; 0 without a climb."""
+        return max(self.ratios, default=0.0)
+
+    def gradual_steps(self) -> int:
+        """Steps the climb took before its loss first came within a fifth of its highest (as
+        multiples of the level, from 1): a loss that rose through intermediate values (a model
+        losing its fit) took several; a bad batch, whose loss jumps to its top at once, took
+        none, and the damaged steps that follow it come after its top and do not count."""
+        if not self.ratios:
+            return 0
+        near_top = 1.0 + NEAR_TOP * (max(self.ratios) - 1.0)
+        return next(i for i, r in enumerate(self.ratios) if r >= near_top)
 
 
 class DivergenceWatch:
@@ -120,21 +214,23 @@ class DivergenceWatch:
     def __init__(self, settings: DivergenceSettings = DivergenceSettings()) -> None:
         self.settings = settings
         self.trend = LossTrend(settings.window)
+        self.climb = Climb(settings.onset_window, settings.onset, settings.level_steps, settings.rising,
+                           settings.evidence)
         self.steps = 0
         self.rising_steps = 0  # steps the current rising warning has lasted; 0: none
         self.diverging_steps = 0  # steps the current divergence has lasted; 0: none
         self.divergences = 0  # counter: divergences entered
         self.evidence: FrozenSet[str] = frozenset()  # of the current divergence
         self._spikes: Deque[Tuple[int, str]] = deque()  # (step, signal), the last ``evidence`` steps
-        self._onset: Optional[int] = None  # step the trend's current climb began
         self._diverged_since: Optional[int] = None
-        self._climb = 0
+        self._before: FrozenSet[str] = frozenset()  # evidence from before the climb, dated when diverged
 
     def restart(self) -> None:
         """A resumed run: the old best is no baseline. The counter carries on."""
         self.trend.restart()
+        self.climb.restart()
         self._spikes.clear()
-        self._onset = self._diverged_since = None
+        self._diverged_since = None
         self.rising_steps = self.diverging_steps = 0
         self.evidence = frozenset()
 
@@ -146,37 +242,43 @@ class DivergenceWatch:
             return
         if loss is not None:
             self.trend.update(loss)
+            self.climb.update(now, loss)
         ratio = self.trend.ratio()
         if ratio is None:
             return
         above = self.trend.above_best()
-        if ratio < s.onset:
-            self._onset = None
-        elif self._onset is None:
-            self._onset = now
-        onset = self._onset if self._onset is not None else now
-        # spikes count as evidence only well before the climb began: a bad batch spikes with
-        # its loss, and the trend (a mean) crosses ``onset`` up to ``creep`` steps after a jump
-        evidence = {signal for at, signal in self._spikes if onset - s.evidence <= at < onset - s.creep}
+        settled = ratio < s.settled
+        # the trend at ``diverged`` times its best, or this loss back where the run started
+        diverged = (ratio >= s.diverged and above >= s.floor) or (
+            loss is not None and self.trend.back_to_start(loss) and loss - (self.trend.best or 0.0) >= s.floor)
+        if diverged and self._diverged_since is None:
+            # the climb and what came before it are dated once, when the trend reaches
+            # ``diverged``: a later restart of the climb (the loss dipping after a bad batch)
+            # must not turn the batch's own spikes into evidence from before it
+            onset = self.climb.since if self.climb.since is not None else now
+            self._diverged_since = now
+            # a climb is the model's when its loss rose through intermediate values for
+            # ``ramp`` steps; without a ramp, a loss at ``jump`` times its level is a bad
+            # batch's signature: what spiked before it is no evidence either, and it pages
+            # only if it lasts (``sustain``)
+            gradual = self.climb.gradual_steps() >= s.ramp
+            jumped = not gradual and self.climb.top() >= s.jump
+            self._before = frozenset() if jumped else frozenset(
+                {signal for at, signal in self._spikes if onset - s.evidence <= at < onset - s.creep}
+                | ({SIGNAL_LOSS_CREEP} if gradual else set()))
+        elif not diverged and settled:
+            self._diverged_since = None
         for signal in spiked:
             self._spikes.append((now, signal))
         while self._spikes and self._spikes[0][0] < now - s.evidence:
             self._spikes.popleft()
-        settled = ratio < s.settled
-        diverged = ratio >= s.diverged and above >= s.floor
-        if diverged and self._diverged_since is None:
-            self._diverged_since = now
-            self._climb = now - onset  # steps from the climb's beginning to diverged
-        elif not diverged and settled:
-            self._diverged_since = None
         if self.diverging_steps:
             if settled:
                 self.diverging_steps, self.evidence = 0, frozenset()
             else:
                 self.diverging_steps += 1
         elif diverged:
-            if self._climb >= s.creep:
-                evidence.add(SIGNAL_LOSS_CREEP)
+            evidence = set(self._before)
             if self._diverged_since is not None and now - self._diverged_since + 1 >= s.sustain:
                 evidence.add(SIGNAL_LOSS_SUSTAINED)
             if evidence:
