@@ -40,9 +40,11 @@ class Thresholds:
     fraction of steps means the scale is collapsing and the run is not learning."""
     amp_min_loss_scale: float = 1.0
     """A loss scale below this has given up on fp16's range."""
-    spike_hold_steps: int = 50
+    spike_hold_steps: int = 20
     """Steps a spike keeps its warning firing, counted in the process (the same at any
-    step rate)."""
+    step rate): the loss trend's window, long enough for the trend to show whether the spike
+    moved it (``GradmonLossRising`` takes over if it did), short enough that an isolated
+    spike of a healthy run costs little warning time."""
     norm_baseline_ratio: float = 4.0
     """A layer's gradient norm this many times the median of its own last norm_baseline
     sampled steps, sustained (``norm_ratio_for``), is the warning tier. Not 3: the small

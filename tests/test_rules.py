@@ -209,6 +209,12 @@ CASES.update({
         [alert("GradmonLossSpike", "10m"),
          alert("GradmonLossSpike", "11m", ("warning", target(rank="0", signal="loss"))),
          alert("GradmonLossSpike", "12m")]),
+    "a_spike_warns_for_spike_hold_steps_then_clears": (
+        # 10 steps a minute: 0, 10, 20 steps since the spike at 12m, 13m, 14m; the hold is 20 steps
+        [series("gradmon_steps_total", "0+10x60", rank="0"), since("_x12 0 10 20 30 40x10")],
+        [alert("GradmonLossSpike", "12m", ("warning", target(rank="0", signal="loss"))),
+         alert("GradmonLossSpike", "13m", ("warning", target(rank="0", signal="loss"))),
+         alert("GradmonLossSpike", "14m"), alert("GradmonLossSpike", "16m")]),
     "no_spike_warning_in_the_warm_up": (
         # 10 steps a minute: past the 100-step warm-up at 10m
         [series("gradmon_steps_total", "0+10x60", rank="0"), since("_x3 0+10x60")],
