@@ -25,10 +25,11 @@ def diverging(t: Timing) -> str:
 def loss_alerts(t: Timing) -> List[Alert]:
     return [
         Alert("GradmonLossDiverging", "critical", "The loss is diverging, confirmed",
-              f"The loss trend (mean of the last 20 losses) is at least 2x its best and loss_floor above it "
-              f"({WHERE}), with evidence from before it climbed: a loss or gradient spike, a climb over many "
-              "steps, 100 steps diverged, or a non-finite loss (gradmon_loss_divergence_evidence says which). "
-              "Decided in the process at every step. Value: {{ $value }}.",
+              f"The loss trend (mean of the last 20 losses) is at least 2x its best and loss_floor above it, "
+              f"or a loss is back at the run's starting level ({WHERE}), with evidence that the model climbed "
+              "there rather than a batch jumping: a climb through intermediate values, a loss or gradient spike "
+              "before the climb, 100 steps diverged, or a non-finite loss (gradmon_loss_divergence_evidence "
+              "says which). Decided in the process at every step. Value: {{ $value }}.",
               diverging(t), 0),
         Alert("GradmonLossRising", "warning", "The loss is rising above its best",
               f"The loss trend (mean of the last 20 losses) has been at least 1.5x its best for "
