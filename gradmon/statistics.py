@@ -509,7 +509,7 @@ class PacketLayout(NamedTuple):
 
 def layout(sections: Sequence[Section], scalars: Sequence[str] = (), offset: int = 0) -> PacketLayout:
     """A packet's layout, the one declaration its writer (``capture.writer``) and its
-    readers (:func:`read`, :func:`read_scalars`, ``incidents.steps``) take offsets from:
+    readers (:func:`read`, :func:`read_tables`, :func:`read_scalars`, ``incidents.steps``) take offsets from:
     from ``offset``, the sections in order, each part an (n, part width) block row by row,
     then one value per step scalar."""
     placed: List[Tuple[Section, Tuple[Block, ...]]] = []
@@ -570,6 +570,16 @@ def read(values: Sequence[float], sections: Sequence[Section], offset: int = 0
             for k in range(block.rows):
                 rows[k].extend(part[k * w:(k + 1) * w])
         yield section.statistic, section, rows
+
+
+def read_tables(data: torch.Tensor, sections: Sequence[Section], offset: int = 0
+                ) -> Iterator[Tuple[Statistic, Section, torch.Tensor]]:
+    """As :func:`read`, each section's records as one (n, width) float64 tensor, row k the
+    record of ``keys[k]`` in ``Statistic.columns`` order: for folding a step's records
+    all at once rather than row by row."""
+    for section, blocks in layout(sections, offset=offset).sections:
+        parts = [data[b.start:b.stop].view(b.rows, b.width) for b in blocks]
+        yield section.statistic, section, (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).double()
 
 
 def merge_max(a: float, b: float) -> float:

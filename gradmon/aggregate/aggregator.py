@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
+
 from .. import metrics as M
 from .. import statistics as S
 from ..capture.packet import StepPacket
@@ -102,7 +104,9 @@ class Aggregator:
             self.spikes.relabel(global_step)
 
     def fold(self, packet: StepPacket) -> None:
-        values: List[float] = packet.data.tolist() if packet.data is not None else []
+        data = packet.data
+        # the step scalars, the packet's last values, as host floats; the sections are read as tables
+        values: List[float] = data[len(data) - len(packet.scalars):].tolist() if data is not None else []
         if self.black_box is not None:
             self.black_box.keep(packet)  # never raises: a bundle's trouble must not cost a step's count
         skipped = packet.skipped or fused_skip(values, packet)
@@ -120,8 +124,8 @@ class Aggregator:
             if self.history is not None:
                 self._remember(packet.global_step, skipped=True)
             return
-        if packet.data is not None:
-            self._fold_sections(values, packet)
+        if data is not None:
+            self._fold_sections(data, packet)
             if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
                 self.cover.detail_backward()
         paged = self.divergence.divergences
@@ -130,11 +134,11 @@ class Aggregator:
             # written before any snapshot counts the divergence, as a non-finite incident's
             self.black_box.write(Moment(packet.global_step), KIND_DIVERGENCE, divergence_reason(self.divergence))
 
-    def _fold_sections(self, values: Sequence[float], packet: StepPacket) -> None:
+    def _fold_sections(self, data: torch.Tensor, packet: StepPacket) -> None:
         self.origins.start_step()
         any_bad = False
-        for stat, section, rows in S.read(values, packet.sections):
-            any_bad |= self._fold(self.folded[stat.name], section, rows, packet.sampled)
+        for stat, section, table in S.read_tables(data, packet.sections):
+            any_bad |= self._fold(self.folded[stat.name], section, table, packet.sampled)
         if any_bad:
             self.counts.nonfinite_steps += 1
         self.origins.end_step(any_bad, packet.global_step)
@@ -166,21 +170,25 @@ class Aggregator:
         if loss is not None:
             self.spikes.observe(M.SIGNAL_LOSS, loss)
 
-    def _fold(self, f: Folded, section: Section, rows: Sequence[Sequence[float]], sampled: bool) -> bool:
-        """One statistic's records of one step, folded per (grouped) layer by its columns'
-        declared rules; counts its NaN/Inf into the counters. True if any was non-finite."""
+    def _fold(self, f: Folded, section: Section, table: torch.Tensor, sampled: bool) -> bool:
+        """One statistic's records of one step (``table``: one row per record), folded per
+        (grouped) layer by its columns' declared rules; counts its NaN/Inf into the
+        counters. True if any was non-finite."""
         stat = f.stat
-        acc, bad = self._accumulate(f, section, rows)
+        if f.at_once:
+            acc, bad = self._accumulate_table(f, section, table)
+        else:
+            acc, bad = self._accumulate(f, section, table.tolist())
         f.last = acc
         if stat.coverage:
             self.cover.saw(stat.coverage, acc)
         if stat.total is not None:
             self._fold_total(f, acc, bad)
         if sampled or not stat.sampled:
-            f.update_gauges(acc)
+            columns = f.update_gauges(acc)
             for gauge in stat.gauges:
                 if gauge.jump is not None:
-                    self.spikes.observe_layers(gauge.jump, {layer: gauge.value(f.columns(a)) for layer, a in acc.items()})
+                    self.spikes.observe_layers(gauge.jump, {layer: gauge.value(c) for layer, c in columns.items()})
         return bad
 
     def _accumulate(self, f: Folded, section: Section, rows: Sequence[Sequence[float]]
@@ -206,6 +214,34 @@ class Aggregator:
                 cells[layer][1] += int(row[inf])
                 bad = True
         return acc, bad
+
+    def _accumulate_table(self, f: Folded, section: Section, table: torch.Tensor
+                          ) -> Tuple[Dict[int, List[float]], bool]:
+        """:meth:`_accumulate` of all records at once (``Folded.accumulate``): Python runs
+        per layer to hand the accumulators over, and per record only for a non-finite one."""
+        stat = f.stat
+        plan = f.plan(section.keys)
+        acc = f.accumulate(plan, section.numels, table) if f.keeps else {}
+        origins = self.origins
+        if f.lo >= 0:
+            extremes = table[:, [f.lo, f.hi]]
+            if bool(extremes.isfinite().all()):
+                origins.forward_finite(stat.origin, plan.layers)  # type: ignore[arg-type]
+            else:
+                for layer, (lo, hi) in zip(plan.of_record, extremes.tolist()):
+                    origins.forward_values(stat.origin, layer, S.nonfinite_flags(lo, hi))  # type: ignore[arg-type]
+        cells = self.counts.cells.get(stat.name)
+        if cells is None:
+            return acc, False
+        counts = table[:, [f.nan, f.inf]]
+        flagged = counts.ne(0).any(dim=1).nonzero().flatten().tolist()  # counts: work only for a non-finite record
+        for k, (nan, inf) in zip(flagged, counts[flagged].tolist()):
+            layer = plan.of_record[k]
+            if not stat.forward and stat.origin is not None:
+                origins.bad_gradient(stat.origin, layer)
+            cells[layer][0] += int(nan)
+            cells[layer][1] += int(inf)
+        return acc, bool(flagged)
 
     def _fold_total(self, f: Folded, acc: Mapping[int, List[float]], bad: bool) -> None:
         """The norm over every layer: a gauge, the histogram's observation, a spike signal."""

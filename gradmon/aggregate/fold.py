@@ -11,13 +11,30 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Deque, Dict, List, Mapping, Optional, Sequence
+from typing import Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import torch
 
 from .. import statistics as S
 from ..capture.packet import StepPacket
 from ..statistics import LayerGauge, Statistic
 
 _NO_MOMENTS = (0.0,) * len(S.MOMENT_COLUMNS)  # an empty MOMENTS accumulator
+_PLANS = 8  # record layouts kept per statistic: a step's layout is nearly always the last one's
+
+
+class Plan(NamedTuple):
+    """Which (grouped) layer each record of a section stands for, worked out once per
+    layout of keys (the same keys come back every step)."""
+
+    layers: List[int]
+    """Each layer with records, in the order of its first record (the accumulators' order)."""
+    of_record: List[int]
+    """Each record's layer."""
+    inverse: Optional[torch.Tensor]
+    """Each record's position in ``layers``; None where every layer has one record, in order."""
+    first: Optional[torch.Tensor]
+    """Each layer's first record (None with ``inverse``)."""
 
 
 class Folded:
@@ -46,6 +63,67 @@ class Folded:
         self.lo = stat.index("lo") if stat.forward and stat.origin else -1
         self.hi = stat.index("hi") if stat.forward and stat.origin else -1
         self.names = [c.name for c in columns]
+        # MOMENTS merge pairwise, record by record: such a statistic folds row by row
+        self.at_once = self.moments is None
+        # whether anything reads the accumulators (BLOCK_FINITE's records only flag an origin)
+        self.keeps = bool(stat.gauges or stat.total is not None or stat.coverage)
+        self._rules = [(cols, rule) for cols, rule in ((self.peaks + self.highs, "amax"), (self.lows, "amin")) if cols]
+        self._plans: Dict[Tuple[int, ...], Plan] = {}
+
+    def plan(self, keys: Tuple[int, ...]) -> Plan:
+        plan = self._plans.get(keys)
+        if plan is None:
+            of_record = list(keys) if self.slots is None else [self.slots[k] for k in keys]
+            layers = list(dict.fromkeys(of_record))
+            inverse = first = None
+            if len(layers) != len(of_record):
+                where: Dict[int, int] = {}
+                for k, layer in enumerate(of_record):
+                    where.setdefault(layer, k)
+                position = {layer: i for i, layer in enumerate(layers)}
+                inverse = torch.tensor([position[layer] for layer in of_record])
+                first = torch.tensor([where[layer] for layer in layers])
+            if len(self._plans) >= _PLANS:
+                self._plans.clear()
+            plan = self._plans[keys] = Plan(layers, of_record, inverse, first)
+        return plan
+
+    def accumulate(self, plan: Plan, numels: Sequence[int], table: torch.Tensor) -> Dict[int, List[float]]:
+        """Every record of a step folded per layer at once, as :meth:`combine` would fold
+        them one by one (the same sums in the same order, bit for bit): ``table`` is the
+        (n, width) float64 table of the records laid out by ``plan``. Not for MOMENTS
+        (:attr:`at_once` is False)."""
+        src = table.clone() if self.norms or self.peaks else table
+        if self.norms:
+            x = table[:, self.norms]
+            src[:, self.norms] = x * x
+        if self.peaks:
+            src[:, self.peaks] = table[:, self.peaks].abs()
+        if plan.inverse is None:
+            out, counts = src, list(numels)
+        else:
+            out, counts = self._reduce(src, plan, numels)
+        rows = out.tolist()
+        for row, n in zip(rows, counts):
+            row.append(n)
+        return dict(zip(plan.layers, rows))
+
+    def _reduce(self, src: torch.Tensor, plan: Plan, numels: Sequence[int]) -> Tuple[torch.Tensor, List[int]]:
+        """Each layer's records of ``src`` reduced by their columns' rules: sums in record
+        order (``index_add_`` adds one record after another), extremes with NaN kept."""
+        inverse, m = plan.inverse, len(plan.layers)
+        out = src[plan.first]  # a column without a rule keeps the first record's value, as combine does
+        added = self.norms + self.sums
+        if added:
+            out[:, added] = src.new_zeros(m, len(added)).index_add_(0, inverse, src[:, added])
+        for cols, rule in self._rules:
+            part = src[:, cols]
+            where = inverse.unsqueeze(1).expand(-1, len(cols))
+            best = src.new_zeros(m, len(cols)).scatter_reduce_(0, where, part, rule, include_self=False)
+            nan = src.new_zeros(m, len(cols)).index_add_(0, inverse, part.isnan().to(src.dtype))
+            out[:, cols] = best.masked_fill_(nan > 0, math.nan)
+        counts = torch.zeros(m, dtype=torch.int64).index_add_(0, inverse, torch.tensor(numels, dtype=torch.int64))
+        return out, counts.tolist()
 
     def combine(self, acc: Optional[List[float]], row: Sequence[float], numel: int) -> List[float]:
         """Fold one record into a layer's accumulator (NORM columns as squares, numel last)."""
@@ -102,13 +180,17 @@ class Folded:
             window.append(x)  # a NaN step must not poison the baseline for a whole window
         return S.relative(x, window)
 
-    def update_gauges(self, acc: Mapping[int, List[float]]) -> None:
-        """Every gauge of every layer this step has records of."""
+    def update_gauges(self, acc: Mapping[int, List[float]]) -> Dict[int, Dict[str, float]]:
+        """Every gauge of every layer this step has records of; each layer's columns."""
         stores = [(gauge, self.gauges[gauge]) for gauge in self.stat.gauges]
+        if not stores:
+            return {}
+        every = {}
         for layer, a in acc.items():
-            columns = self.columns(a)
+            columns = every[layer] = self.columns(a)
             for gauge, store in stores:
                 store[layer] = gauge.value(columns) if gauge.baseline is None else self.value(gauge, layer, columns)
+        return every
 
     def restart(self) -> None:
         """Forget the baselines declared to restart with the spike windows."""

@@ -8,6 +8,7 @@ step is non-finite everywhere, so only the first step can say where it began.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from .. import metrics as M
@@ -79,6 +80,12 @@ class OriginTracker:
             self._flags[(tensor, key)] = self._flags.get((tensor, key), 0) | flags
         else:
             self._flags.setdefault((tensor, key), 0)
+
+    def forward_finite(self, tensor: str, keys: Sequence[int]) -> None:
+        """:meth:`forward_values` of finite records of ``keys``, all at once."""
+        known = dict.fromkeys(zip(repeat(tensor), keys), 0)
+        known.update(self._flags)  # a key already flagged this step keeps its flags
+        self._flags = known
 
     def bad_gradient(self, tensor: str, layer: int) -> None:
         """A gradient record held non-finite values: the first layer in backward order
