@@ -26,6 +26,14 @@ def test_the_device_hash_is_the_documented_one_for_each_dtype(dtype):
     assert hex_of(rowhash.row_hash(x)) == documented_row_hash()(x.numpy())
 
 
+def test_a_long_row_is_hashed_on_its_runs_as_documented():
+    x = torch.randn(3, 3, 64, 65, generator=torch.Generator().manual_seed(4))  # 12,480 elements: runs 195 apart
+    assert hex_of(rowhash.row_hash(x)) == documented_row_hash()(x.numpy())
+    y = x.clone()
+    y[1].view(-1)[195 * 7 + 3] += 1  # inside the 8th run
+    assert (rowhash.row_hash(y) != rowhash.row_hash(x)).tolist() == [False, True, False]
+
+
 def test_a_row_hashes_alike_whatever_its_strides_neighbours_or_integer_width():
     ids = torch.randint(0, 50_000, (4, 9), generator=torch.Generator().manual_seed(1))
     h = rowhash.row_hash(ids)

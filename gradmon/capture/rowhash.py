@@ -16,6 +16,11 @@ import torch
 
 MAX_INPUTS = 8
 """Input tensors hashed per forward: a model's batch is a few tensors (ids, mask, labels)."""
+RUNS = RUN = 64
+"""A row of more than RUNS × RUN elements (an image) is hashed on RUNS runs of RUN elements,
+one at the start of each RUNS-th of the row, so that the hash costs a few small kernels
+whatever the input's size; runs rather than every s-th element, which would read a cache
+line per element. A token row (a sequence of up to 4096) is hashed whole."""
 _CACHE_MAX = 16
 
 # splitmix64's constants as signed 64-bit values (torch has no uint64 arithmetic)
@@ -52,14 +57,19 @@ def hashable(t: torch.Tensor, rows: int) -> bool:
 
 
 def row_hash(t: torch.Tensor) -> torch.Tensor:
-    """(rows,) int64: the sum over a row's elements of value × multiplier, modulo 2**64. An
+    """(rows,) int64: the sum over a row's elements (its runs: :data:`RUNS`) of
+    value × multiplier, modulo 2**64. An
     integer or boolean element is its value, a float its IEEE bit pattern read as a signed
     integer of its width; so ids hash alike as int32 or int64, and a float row must be in
     the dtype the model received."""
-    x = t.detach().reshape(t.shape[0], -1)
+    rows = t.shape[0]
+    x = t.detach().reshape(rows, -1)
+    if x.shape[1] > RUNS * RUN:
+        x = x[:, :RUNS * (x.shape[1] // RUNS)].view(rows, RUNS, -1)[:, :, :RUN]
     if x.is_floating_point():
         x = x.view(_BITS[x.element_size()])
-    return (x.to(torch.int64) * multipliers(x.shape[1], x.device)).sum(dim=1)
+    x = x.to(torch.int64).reshape(rows, -1)
+    return (x * multipliers(x.shape[1], x.device)).sum(dim=1)
 
 
 def named_inputs(args: Any, kwargs: Optional[Mapping[str, Any]]) -> Iterator[Tuple[str, torch.Tensor]]:
