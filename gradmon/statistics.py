@@ -67,9 +67,16 @@ OPTIMIZER = "optimizer"
 (weights, gradients, moments) and returns ``(rows, order)`` as at PARAM_GRAD, or None
 when the optimizer read nothing for it."""
 
+WEIGHT = "weight"
+"""Every monitored parameter itself, after an optimizer step that closes a step, on the
+steps the optimizer is read (``optimizer_every``), whatever the optimizer: ``record(weights,
+home)`` gets them all at once (detached; a shard's own elements where a parameter is
+sharded) and returns ``(rows, order)`` as at PARAM_GRAD. A sharded parameter's rows are
+combined over its shard groups as its gradient's are, on every rank at that step."""
+
 FORWARD = (OUTPUT, BLOCK, LAYER)  # records of forward values: their origin is first in forward order
-BY_PARAMETER = (PARAM_GRAD, LOCAL_GRAD, OPTIMIZER)  # records keyed by parameter index, not layer index
-BATCHED = (PARAM_GRAD, OPTIMIZER)  # every parameter's record at once, as (rows, order)
+BY_PARAMETER = (PARAM_GRAD, LOCAL_GRAD, OPTIMIZER, WEIGHT)  # records keyed by parameter index, not layer index
+BATCHED = (PARAM_GRAD, OPTIMIZER, WEIGHT)  # every parameter's record at once, as (rows, order)
 
 # -- folds: how the values of one column combine --------------------------------------------
 
@@ -167,7 +174,7 @@ class Statistic:
     switch: Union[None, str, Tuple[str, ...]]
     """The Config field(s) that turn it on, all of them; None: always on."""
     at: str
-    """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD, BLOCK, LAYER, OPTIMIZER)."""
+    """The moment it is recorded (PARAM_GRAD, LOCAL_GRAD, OUTPUT, OUTPUT_GRAD, BLOCK, LAYER, OPTIMIZER, WEIGHT)."""
     parts: Tuple[Tuple[Column, ...], ...]
     """The columns of one record, grouped as the tensors ``record`` returns them."""
     record: Callable[..., Any]

@@ -44,6 +44,11 @@ GRAD_STAT = S.Statistic(
     gauges=(S.LayerGauge(GRAD_PEAK, lambda c: c["peak"]), S.LayerGauge(GRAD_ELEMENTS, lambda c: c["numel"])),
     reduced=True)
 
+WEIGHT_PEAK = M.MetricSpec("gradmon_test_weight_peak", "gauge", ("layer",), "Max |w| of the parameters (test).")
+WEIGHT_STAT = S.Statistic(
+    "test_weight", "optimizer_every", S.WEIGHT, ((S.Column("peak", S.ABSMAX),),), _grad_rows,
+    gauges=(S.LayerGauge(WEIGHT_PEAK, lambda c: c["peak"]),), reduced=True)
+
 
 def _cfg():
     from gradmon.config import Config
@@ -52,7 +57,7 @@ def _cfg():
 
 @pytest.fixture
 def with_test_statistics(monkeypatch):
-    monkeypatch.setattr(S, "STATISTICS", S.STATISTICS + (OUTPUT_STAT, GRAD_STAT))
+    monkeypatch.setattr(S, "STATISTICS", S.STATISTICS + (OUTPUT_STAT, GRAD_STAT, WEIGHT_STAT))
 
 
 def test_a_statistic_declared_once_is_recorded_folded_and_exported(attach, with_test_statistics):
@@ -78,6 +83,25 @@ def test_a_statistic_declared_once_is_recorded_folded_and_exported(attach, with_
     # the statistics already there are unchanged beside it
     total = math.sqrt(sum(g.square().sum().item() for gs in grads.values() for g in gs))
     assert math.isclose(value(s, "gradmon_grad_global_norm"), total, rel_tol=1e-6)
+
+
+def test_a_statistic_of_the_weights_is_read_after_the_step_on_the_optimizer_read_steps(attach, with_test_statistics):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    mon = attach(model, optimizer_every=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen = []
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        mon.flush()
+        peak = max(p.detach().abs().max().item() for p in model[2].parameters())
+        seen.append((value(scrape(mon.url), "gradmon_test_weight_peak", layer="2"), peak))
+    (first, after_first), (second, after_second), (third, after_third) = seen
+    assert first == pytest.approx(after_first, rel=1e-6)  # the weights after the step
+    assert second == first and after_second != after_first  # step 1 is not a read step
+    assert third == pytest.approx(after_third, rel=1e-6)
 
 
 def test_grouped_layers_fold_a_declared_statistic_by_its_columns(attach, with_test_statistics):

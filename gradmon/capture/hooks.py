@@ -17,7 +17,8 @@
   from such a backward), or where LOCAL_GRAD reads each gradient in them.
 * Global optimizer step hooks close the step: one packet, one device-to-host copy.
   Before it is closed, the post-step hook reads the learning rates and, on sampled
-  steps, what the optimizer did (``optimizer.read``: the OPTIMIZER moment).
+  steps, the weights (the WEIGHT moment) and what the optimizer did (``optimizer.read``:
+  the OPTIMIZER moment).
 
 Between detail steps (``detail_every``) the layers' forward hooks are not registered at
 all (a hooked module leaves PyTorch's fast call path); the hooks on the root module and
@@ -78,12 +79,12 @@ class Recorder:
         self.statistics = tuple(statistics)
         self._at: Dict[str, Tuple[Statistic, ...]] = {
             at: tuple(st for st in self.statistics if st.at == at)
-            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER, S.OPTIMIZER)}
+            for at in (S.PARAM_GRAD, S.LOCAL_GRAD, S.OUTPUT, S.OUTPUT_GRAD, S.BLOCK, S.LAYER, S.OPTIMIZER, S.WEIGHT)}
         self.errors = errors
         self.publish = publish
         self._params = ParamSlots(layers)
         self.param_layer = self._params.param_layer
-        self._grads = ParamGradients(self._at[S.PARAM_GRAD], self.current_params(), flat_units)
+        self._grads = ParamGradients(self._at[S.PARAM_GRAD], self.current_params(), flat_units, self._at[S.WEIGHT])
         self.sharded = self._grads.sharded
         self._passes = BackwardPasses(self.current_params)
         self._params_now: Optional[List[Optional[torch.Tensor]]] = None  # as this step's measure saw them
@@ -270,14 +271,18 @@ class Recorder:
         self.end_step(gs, by_optimizer=True)
 
     def _read_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        """After the step that closes this one, before its packet: what the optimizer did,
-        on sampled steps (``optimizer_every``). A second optimizer over the same model
-        steps after the packet is closed: its parameters stay unread (counted as uncovered)."""
+        """After the step that closes this one, before its packet: the weights and what the
+        optimizer did, on sampled steps (``optimizer_every``). A second optimizer over the
+        same model steps after the packet is closed: its parameters stay unread (counted as
+        uncovered)."""
         every = self.cfg.optimizer_every
-        if not every:
+        if not every or self.steps % every:
             return
+        if self._at[S.WEIGHT]:
+            with self._guard("step"):
+                self._values.add(self._grads.measure_weights(self.current_params()))
         with self._guard("step"):
-            if self._at[S.OPTIMIZER] and self.steps % every == 0:
+            if self._at[S.OPTIMIZER]:
                 self._values.add(self._reads.rows(opt, self.current_params(), self.sharded, self._at[S.OPTIMIZER]))
 
     def manual_step(self, global_step: Optional[int]) -> None:
