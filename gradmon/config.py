@@ -106,12 +106,13 @@ class Config:
     every step."""
 
     optimizer_every: int = 20
-    """Read the update-to-weight ratio and Adam's second-moment RMS from the optimizer's
-    state every N optimizer steps (the first step included); the learning rate of each
-    parameter group is read on every step whatever this says. 0 turns the ratio and the
-    RMS off. Reading the state is
-    one more pass over the weights and the optimizer's moments, so the default samples
-    it like ``detail_every``: the ratio and the RMS move slowly."""
+    """Read the statistics taken after the optimizer's step (the configuration reference
+    lists their families under this option: the update-to-weight ratio and Adam's
+    second-moment RMS rebuilt from the optimizer's state, and the like) every N optimizer
+    steps (the first step included); the learning rate of each parameter group is read on every step
+    whatever this says. 0 turns them off. Reading them is one more pass over the weights
+    and the optimizer's moments, so the default samples it like ``detail_every``: these
+    values move slowly."""
 
     optimizer_sample: int = 16384
     """Most elements of each parameter (and of its gradient and optimizer state) that the

@@ -80,6 +80,18 @@ def test_a_new_option_and_a_new_metric_reach_the_tables_with_what_validation_acc
     assert row.endswith("Accepted: a number of optimizer steps in 10..100000. |")
 
 
+def test_an_option_s_row_lists_the_series_of_the_statistics_it_switches(monkeypatch):
+    from gradmon import statistics as S
+    from gradmon.artefacts import reference
+    spec = M.MetricSpec("gradmon_test_peak", "gauge", ("layer",), "Peak (test).")
+    st = S.Statistic("test_peak", "grad_flow", S.OUTPUT_GRAD, ((S.Column("peak", S.ABSMAX),),), lambda g: None,
+                     gauges=(S.LayerGauge(spec, lambda c: c["peak"]),))
+    monkeypatch.setattr(S, "STATISTICS", S.STATISTICS + (st,))
+    row = next(r for r in reference.config_rows() if r.startswith("| `grad_flow` |"))
+    assert row.endswith(" Switches: `gradmon_grad_flow_norm`, `gradmon_nonfinite_total{tensor=\"grad_flow\"}`, "
+                        "`gradmon_test_peak`. |")
+
+
 def test_every_alert_is_in_the_alerts_table():
     from gradmon import alerting
     table = table_after(page("alerts.md"), "<!-- alerts-table")

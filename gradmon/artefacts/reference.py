@@ -1,5 +1,5 @@
 """The reference's generated tables: every option (docs/configuration.md, from ``Config``'s
-fields, their docstrings and their validation) and every metric (docs/metrics.md, from the
+fields, their docstrings, their validation and the statistics they switch) and every metric (docs/metrics.md, from the
 specs in ``metrics``). Each table lies between two markers in its page; the prose around
 it is written by hand, the table never is."""
 
@@ -10,10 +10,11 @@ import re
 import typing
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from .. import config as C
 from .. import metrics as M
+from .. import statistics as S
 
 BEGIN = "<!-- generated: {name} by `python -m gradmon.alerting write` from {source}; edit it there -->"
 END = "<!-- end generated: {name} -->"
@@ -66,6 +67,19 @@ def accepted(name: str, hint: Any) -> Optional[str]:
     return None
 
 
+def switched(option: str) -> List[str]:
+    """The series of the statistics that ``option`` switches (``Statistic.switch``): their
+    gauges' families, and their counter's with the labels that tell their series apart."""
+    names = []
+    for st in S.STATISTICS:
+        if option in st.switches:
+            names += [g.spec.name for g in st.gauges]
+            if st.counter is not None:
+                labels = ", ".join(f'{k}="{v}"' for k, v in st.counter_labels.items())
+                names.append(M.exposed_names(st.counter)[0] + (f"{{{labels}}}" if labels else ""))
+    return list(dict.fromkeys(names))
+
+
 def config_rows() -> Iterator[str]:
     hints = typing.get_type_hints(C.Config)
     docs = field_docs()
@@ -75,6 +89,9 @@ def config_rows() -> Iterator[str]:
         values = accepted(f.name, hints[f.name])
         if values:
             meaning += f" Accepted: {_markdown(values)}."
+        families = switched(f.name)
+        if families:
+            meaning += " Switches: " + ", ".join(f"`{name}`" for name in families) + "."
         yield f"| `{f.name}` | {env} | {_default(f, hints[f.name])} | {meaning} |"
 
 
