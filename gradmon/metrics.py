@@ -135,6 +135,13 @@ ADAM_RMS = _spec("adam_rms", "gauge", ("layer",),
                  "AdamW): bounded by about (1-β2)^(-1/2); near the bound, v̂ lags a gradient spike.",
                  doc="`sqrt(mean(g²/max(v̂, ε²)))` over the layer's parameters at the last `optimizer_every` step"
                      " (Adam, AdamW); bounded by about `(1-β2)^(-1/2)`")
+PARAM_NORM = _spec("param_norm", "gauge", ("layer",),
+                   "L2 norm of the layer's parameters after the last optimizer_every step.",
+                   doc="L2 norm of the layer's parameters right after the optimizer's step, read at the last "
+                       "`optimizer_every` step with any optimizer; under FSDP the shards' sums of squares are "
+                       "added over the shard group, as the gradient norms' are. On by default with "
+                       "`optimizer_every` (`0` turns it off): one series per layer, counted in `series_budget`; "
+                       "under DDP/FSDP rank 0 alone exports it (every rank holds the same weights)")
 GRAD_NORM_BASELINE_RATIO = _spec("grad_norm_baseline_ratio", "gauge", ("layer",),
                                  "The layer's gradient norm over its own baseline: the median of its last norm_baseline "
                                  "sampled measurements (absent until 8 exist; restarted by a learning-rate jump).",

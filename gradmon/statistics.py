@@ -417,9 +417,16 @@ ADAM_RMS = Statistic(
         "Adam RMS(g / sqrt(v)) by layer", line=("orange", lambda th: th.adam_rms_spike),
         description="About 1 when healthy; far above, the second moment lags a gradient spike.")),))
 
+# The weights after the step, every element read: shards combine as the gradients' do.
+PARAM_NORM = Statistic(
+    "param_norm", "optimizer_every", WEIGHT, ((Column("norm", NORM),),),
+    lambda weights, home: stats.param_norms(weights, home), reduced=True,
+    gauges=(LayerGauge(M.PARAM_NORM, _norm, panel=Panel("Parameter norm by layer", log=True)),))
+
 #: Every statistic, in packet order.
 STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL, BLOCK_FINITE, LAYER_FINITE,
-                                     UPDATE_RATIO, ADAM_RMS, ACTIVATION_KURTOSIS, FP16_ACTIVATION, FP16_GRAD)
+                                     UPDATE_RATIO, ADAM_RMS, ACTIVATION_KURTOSIS, FP16_ACTIVATION, FP16_GRAD,
+                                     PARAM_NORM)
 
 
 def enabled(cfg: Any, **resolved: object) -> Tuple[Statistic, ...]:

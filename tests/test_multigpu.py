@@ -221,11 +221,14 @@ def fsdp_job(work: Path, steps: int, fail_rank: int = -1, world: int = WORLD, re
 @pytest.mark.parametrize("world, replicas, flavour", [(2, 1, "fsdp2"), (4, 2, "fsdp2"), (2, 1, "fsdp1"),
                                                      (2, 1, "fsdp1-flat")],
                          ids=["fsdp2-uneven", "hsdp-2x2", "fsdp1-orig-params", "fsdp1-flat-params"])
-def test_fsdp_per_layer_norms_equal_the_unsharded_gradient_with_uneven_shards(tmp_path, world, replicas, flavour):
+def test_fsdp_per_layer_norms_equal_the_unsharded_gradient_with_uneven_shards(tmp_path, monkeypatch, world, replicas,
+                                                                             flavour):
     """HSDP's replicate dimension holds copies: summing over it would double the norm. FSDP1
     shards each unit's flat parameter: a parameter may lie wholly on another rank, and its
     layer's norm still includes it; without use_orig_params the layers are the FSDP units
-    (one Linear each here), named as in the unwrapped model and stated in coverage."""
+    (one Linear each here), named as in the unwrapped model and stated in coverage. The
+    parameters' own norms (gradmon_param_norm, read at steps 0 and 2) combine the same way."""
+    monkeypatch.setenv("GRADMON_OPTIMIZER_EVERY", "2")  # spawn inherits it
     job = fsdp_job(tmp_path, steps=3, world=world, replicas=replicas, flavour=flavour)
     try:
         ready = job.reached("fsdp", world=world)
@@ -241,10 +244,15 @@ def test_fsdp_per_layer_norms_equal_the_unsharded_gradient_with_uneven_shards(tm
         model(torch.cat([ddp_worker.fsdp_batch(r, step) for r in range(world)])).pow(2).mean().backward()
         want = {str(i): math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model[i].parameters())) for i in (0, 2)}
         opt.step()
+    weights = {str(i): math.sqrt(sum(p.detach().double().pow(2).sum().item() for p in model[i].parameters()))
+               for i in (0, 2)}
     for rank, s in enumerate(scraped):
         for layer, norm in want.items():
             if rank == 0:
                 assert math.isclose(value(s, "gradmon_grad_norm", layer=layer), norm, rel_tol=1e-5), (rank, layer)
+                assert math.isclose(value(s, "gradmon_param_norm", layer=layer), weights[layer], rel_tol=1e-5), layer
+            else:
+                assert not [k for k in s if k[0] == "gradmon_param_norm"]  # rank 0 alone exports reduced series
         assert math.isclose(value(s, "gradmon_grad_global_norm"), math.sqrt(sum(v * v for v in want.values())), rel_tol=1e-5)
 
 

@@ -16,7 +16,7 @@ import itertools
 import math
 import operator
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -312,21 +312,38 @@ def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple
     need an index tensor copied from the host.
     """
     dense = [_dense(g) for g in grads] if any(map(_IS_SPARSE, grads)) else grads
-    numels = list(map(torch.Tensor.numel, dense))
+    return _grouped_rows(dense, home, _norms_and_counts)
+
+
+def param_norms(weights: Sequence[torch.Tensor], home: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """(an (n, 1) tensor of L2 norms on ``home``, row order): each parameter's own norm,
+    reduced as :func:`param_grad_stats` reduces a gradient's."""
+    return _grouped_rows(weights, home, lambda group, norms, ship: norms.to(ship).unsqueeze(1))
+
+
+def _grouped_rows(tensors: Sequence[torch.Tensor], home: torch.device,
+                  columns: Callable[[Sequence[torch.Tensor], torch.Tensor, torch.dtype], torch.Tensor]
+                  ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """The rows ``columns(group, its norms, ship dtype)`` makes of each group of ``tensors``
+    that one kernel reduces (:func:`_groups`), on ``home``, and the order of their rows."""
+    numels = list(map(torch.Tensor.numel, tensors))
     ship = _ship_dtype(home)
     blocks: List[torch.Tensor] = []
     order: List[int] = []
-    for (_device, dtype, small), idx in _groups(dense, numels).items():
-        group = [dense[i] for i in idx]
-        norms = _norms(group, dtype, small)
-        if _host_says_finite(norms):
-            counts = torch.zeros((len(group), 2), dtype=ship, device=norms.device)
-        else:
-            counts = torch.stack([_counts(g) for g in group]).to(ship)
-        blocks.append(torch.cat((norms.to(ship).unsqueeze(1), counts), dim=1).to(home, non_blocking=True))
+    for (_device, dtype, small), idx in _groups(tensors, numels).items():
+        group = [tensors[i] for i in idx]
+        blocks.append(columns(group, _norms(group, dtype, small), ship).to(home, non_blocking=True))
         order.extend(idx)
     rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return rows, tuple(order)
+
+
+def _norms_and_counts(group: Sequence[torch.Tensor], norms: torch.Tensor, ship: torch.dtype) -> torch.Tensor:
+    if _host_says_finite(norms):
+        counts = torch.zeros((len(group), 2), dtype=ship, device=norms.device)
+    else:
+        counts = torch.stack([_counts(g) for g in group]).to(ship)
+    return torch.cat((norms.to(ship).unsqueeze(1), counts), dim=1)
 
 
 _IS_SPARSE = operator.attrgetter("is_sparse")
