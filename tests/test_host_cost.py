@@ -212,3 +212,29 @@ def test_the_layer_scaling_benchmark_reports_both_kinds_of_step_for_every_model(
         for kind in ("ordinary", "detail"):
             assert row[kind]["steps"] > 0 and row[kind]["twin_ms"] > 0, (row["model"], kind)
             assert row[kind]["fold_us_per_layer"] > 0  # the publisher's clock was read
+
+
+def test_a_settled_block_of_an_ordinary_step_costs_no_guard_object(monkeypatch):
+    """A block whose output waits for the end of the forward takes the lean path: no
+    guard is built per block (a context manager per call is a Python allocation per block
+    per step), the per-step guards stay a handful whatever the blocks."""
+    from gradmon.capture.guard import Guards
+
+    def guards_of_an_ordinary_step(blocks: int) -> int:
+        made = []
+        real = Guards.__call__
+        model = chain(blocks)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0)
+        try:
+            for _ in range(3):
+                sgd_step(model, opt, model)
+            monkeypatch.setattr(Guards, "__call__", lambda self, *a: made.append(a[0]) or real(self, *a))
+            sgd_step(model, opt, model)
+            monkeypatch.setattr(Guards, "__call__", real)
+            assert not mon._recorder.detail_now
+            return len(made)
+        finally:
+            mon.detach()
+
+    assert guards_of_an_ordinary_step(30) == guards_of_an_ordinary_step(6)

@@ -13,6 +13,7 @@ value the layer returned, which is exactly gradient flow, and covers the same la
 from __future__ import annotations
 
 import weakref
+from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -77,6 +78,7 @@ class Forward:
         self.layer_hooks: Optional[LayerHooks] = None  # set by HookSet.install
         self._in_root = False  # inside the root's forward
         self._defer_blocks = False  # this step's block checks wait for the end of the forward
+        self._deferring = False  # inside a root's training forward whose block checks wait
 
     def next_step(self, detail: bool) -> None:
         """The next step reads the layers (a detail step) or not."""
@@ -120,6 +122,7 @@ class Forward:
         self._rec.blocks.drop()
         self._in_root = True
         training = self._training_forward(module)
+        self._deferring = self._defer_blocks and self._block and training
         with self._guard("forward"):
             self._rec.rows.start(module, args, kwargs)
             if self._block and training:
@@ -130,7 +133,7 @@ class Forward:
 
     def on_root_exit(self, module: nn.Module, inputs: Any, output: Any) -> None:
         """The root's forward ended, returned or raised (``always_call``)."""
-        self._in_root = False
+        self._in_root = self._deferring = False
 
     # The hooks registered on blocks and layers carry no index of their own (a partial's
     # arguments are guarded when compiled, so identical blocks compiled one by one would
@@ -170,12 +173,26 @@ class Forward:
         if layer is not None:
             self.on_forward(layer, module, inputs, output)
         self.ran = True
+        if self._deferring and module.training and torch.is_grad_enabled() and self._waits(block, output):
+            return
         with self._guard("forward"):
             if self._training_forward(module):
                 if not (self._defer_blocks and self._rec.blocks.defer(block, output)):
                     self._rec.record_values(S.BLOCK, block, output)
                 if not self._in_root:
                     self._watch_backward(output)
+
+    def _waits(self, block: int, output: Any) -> bool:
+        """The ordinary step's path of a block inside the root's training forward, run once
+        per block: its output joins the end-of-forward check (``BlockChecks.wait``), timed
+        without a guard object (a failure here leaves it to the guarded path, which counts it)."""
+        t0 = perf_counter()
+        try:
+            return self._rec.blocks.wait(block, output)
+        except Exception:  # noqa: BLE001 - the guarded path checks it again and counts what fails
+            return False
+        finally:
+            self._guard.seconds += perf_counter() - t0
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
         self.ran = True

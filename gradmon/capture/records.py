@@ -200,6 +200,14 @@ class BlockChecks:
         self.probing.append((key, t, t._version))
         return False
 
+    def wait(self, key: int, t: Any) -> bool:
+        """:meth:`defer` of a block already known to stay unchanged; False where
+        :meth:`defer` must decide."""
+        if key in self.settled and self.plain(t):
+            self.waiting.append((key, t, t._version))
+            return True
+        return False
+
     def last(self) -> Optional[Tuple[int, torch.Tensor, int]]:
         return self.waiting[-1] if self.waiting else None
 
