@@ -31,10 +31,10 @@ import score  # noqa: E402
 MANIFEST = files.manifest()
 RUNS = MANIFEST["runs"]
 # the CI subset: two runs a family through the in-process replay (the held-out family included:
-# no alert is evaluated on it here), and promtool on two tune runs
+# no alert is evaluated on it here), and promtool on four tune runs (two of them alone too)
 FAST = ["lm-healthy-warmup-s0", "lm-lr-high-nowarmup-s0", "cnn-poisoned-batch-s0", "cnn-late-collapse-s0",
         "gru-healthy-nowarmup-s0", "gru-lr-high-nowarmup-s0"]
-PROMTOOL = ["lm-lr-high-nowarmup-s0", "cnn-late-collapse-s0"]
+PROMTOOL = ["lm-lr-high-nowarmup-s0", "cnn-poisoned-batch-s0"]  # of TUNE_CASES: evaluated alone and together
 
 
 # -- the committed corpus ------------------------------------------------------------------
@@ -208,17 +208,26 @@ def test_the_timeline_pages_a_nonfinite_gradient_at_the_first_evaluation_that_se
     assert len(firing) == pr.Mapping(rate).evaluations(steps)
 
 
+@pytest.fixture(scope="module")
+def one_by_one():
+    """The PROMTOOL runs replayed in process, and each evaluated alone at 10 s/step (the reference path)."""
+    labels = json.loads(files.LABELS.read_text())["labels"]
+    rules = pr.shipped_rules()
+    out = {}
+    for name in PROMTOOL:
+        steps = score.replay_steps(labels[name], RUNS[name]["steps"])
+        series = inprocess.expositions(name, replay.read_by(rules), steps)
+        out[name] = (series, steps, pr.timeline(series, steps, pr.Mapping(10.0), binary("promtool"), rules))
+    return out
+
+
 @pytest.mark.parametrize("name", PROMTOOL)
-def test_the_timeline_agrees_with_promtools_own_first_firing_times(name):
+def test_the_timeline_agrees_with_promtools_own_first_firing_times(one_by_one, name):
     """On real recordings at 10 s/step: the per-evaluation timeline's first firing time and
     onsets per alert equal what replay.py's queries (min_over_time(timestamp(ALERTS)) and its
     rising edges) get from promtool for the same input."""
-    labels = json.loads(files.LABELS.read_text())["labels"]
-    rules = pr.shipped_rules()
-    steps = score.replay_steps(labels[name], RUNS[name]["steps"])
-    series = inprocess.expositions(name, replay.read_by(rules), steps)
-    firing = pr.timeline(series, steps, pr.Mapping(10.0), binary("promtool"), rules)
-    fired = replay.fired_alerts({"series": series}, steps, binary("promtool"), rules)
+    series, steps, firing = one_by_one[name]
+    fired = replay.fired_alerts({"series": series}, steps, binary("promtool"), pr.shipped_rules())
     mine = {}
     for k, now in enumerate(firing):
         before = firing[k - 1] if k else frozenset()
@@ -226,6 +235,17 @@ def test_the_timeline_agrees_with_promtools_own_first_firing_times(name):
             first, onsets = mine.get(alert, (k * pr.SCRAPE_SECONDS, 0))
             mine[alert] = (first, onsets + (alert not in before))
     assert mine == {(f.alertname, f.severity): (f.first_s, f.onsets) for f in fired}
+
+
+def test_rules_that_could_compare_two_jobs_are_named():
+    rules = {"groups": [{"name": "g", "rules": [
+        {"alert": "Shipped", "expr": "max by (job, model) (x) > on(job, model) group_left() y"},
+        {"alert": "NoBy", "expr": "sum(x) > 1"}, {"alert": "ByModel", "expr": "max by (model) (x)"},
+        {"record": "on:model", "expr": "x > on(model) y"}, {"alert": "Ignoring", "expr": "x unless ignoring(job) y"},
+        {"alert": "Scalar", "expr": "x > scalar(y)"}, {"alert": "Relabel", "expr": 'label_replace(x, "job", "a", "", "")'},
+        {"alert": "Tensor", "expr": 'label_replace(x, "tensor", "a", "", "") > 0 and y:min'}]}]}
+    assert pr.mixes_runs(rules) == ["NoBy", "ByModel", "on:model", "Ignoring", "Scalar", "Relabel"]
+    assert pr.mixes_runs(pr.shipped_rules()) == []
 
 
 # -- the shipped rules on tune runs (issue 23: the tune split's criteria may be a plain test) --
@@ -240,9 +260,9 @@ TUNE_CASES = {  # one run of each kind the criteria name, and the hardest tune n
 
 @pytest.fixture(scope="module")
 def tune_scores():
-    labels = json.loads(files.LABELS.read_text())["labels"]
+    """The scorer's own path (in-process replay, then the four runs in one promtool run)."""
     assert all(RUNS[name]["split"] == "tune" for name in TUNE_CASES)
-    return {name: score.score_run(name, labels[name], "tune", (10.0,), binary("promtool"))[0] for name in TUNE_CASES}
+    return {s.name: s for s in score.score(list(TUNE_CASES), (10.0,), binary("promtool"), jobs=1)}
 
 
 def test_a_healthy_tune_run_never_pages_at_10_s_per_step(tune_scores):
@@ -259,6 +279,16 @@ def test_a_diverging_tune_run_pages_in_time_after_an_early_warning(tune_scores):
 def test_a_poisoned_batch_warns_and_does_not_page(tune_scores, name):
     s = tune_scores[name]
     assert s.kind == "recovering-spike" and s.spike_warned and not s.edges("critical")
+
+
+@pytest.mark.parametrize("name", PROMTOOL)
+def test_a_run_scored_with_others_fires_what_it_fires_alone(tune_scores, one_by_one, name):
+    """The scorer evaluates runs of different lengths in one promtool run, a job each (the
+    diverging run ends early and its series go stale amid the others'); each run's timeline
+    must equal its own promtool run's. A rule or query that let one run's series reach
+    another's alerts fails here."""
+    alone = one_by_one[name][2]
+    assert tune_scores[name].firing == alone and any(alone)
 
 
 # -- the metrics -------------------------------------------------------------------------------

@@ -13,6 +13,13 @@ One promtool run asks, at every evaluation time, ``count by (alertname, severity
 (ALERTS{alertstate="firing"})`` with no samples expected: promtool reports what it got for each
 evaluation where something fired, and the parser reads that back; a sentinel query proves the
 report was understood.
+
+promtool's time is its rule evaluations, and a share of each is paid once per evaluation however
+many series it covers: :func:`timelines` evaluates many runs (and step rates) in one promtool run,
+each under a ``job`` label of its own, and asks ``count by (job, alertname, severity)``. That is
+the same evaluation run by run as long as no rule compares series of two jobs (every aggregation
+``by`` a list naming ``job``, every ``on(...)`` naming it); :func:`mixes_runs` checks the rules, and
+rules that could mix runs are evaluated one run per promtool run, as :func:`timeline` does.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from gradmon import metrics as M
 
 SCRAPE_SECONDS = replay.SCRAPE_SECONDS
 FIRING = 'count by (alertname, severity) (ALERTS{alertstate="firing"})'
+FIRING_BY_JOB = 'count by (job, alertname, severity) (ALERTS{alertstate="firing"})'
 Alert = Tuple[str, str]  # (alertname, severity)
+Series = Dict[str, List[Optional[float]]]  # inprocess.Series: "name{labels}" -> value after attach and each step
 
 
 @dataclass(frozen=True)
@@ -67,16 +76,18 @@ def _values(values: Sequence[Optional[float]]) -> str:
     return " ".join(out)
 
 
-def input_series(series: Dict[str, List[Optional[float]]], steps: int, mapping: Mapping,
-                 wanted: Callable[[str], bool]) -> List[dict]:
+def input_series(series: Series, steps: int, mapping: Mapping, wanted: Callable[[str], bool],
+                 job: str = replay.TARGET["job"]) -> List[dict]:
     """What Prometheus would have scraped of the first ``steps`` steps: exposition index n (0 =
-    after attach, n = after step n) at each scrape, and the last step's completion time."""
+    after attach, n = after step n) at each scrape, and the last step's completion time; the
+    target's labels with ``job`` as its job."""
+    target = {**replay.TARGET, "job": job}
     seen = [min(mapping.seen_at(k * SCRAPE_SECONDS), steps) for k in range(mapping.evaluations(steps))]
-    out = [{"series": replay._with_target(key), "values": _values([vals[n] for n in seen])}
+    out = [{"series": replay._with_target(key, target), "values": _values([vals[n] for n in seen])}
            for key, vals in series.items() if wanted(key.split("{", 1)[0])]
     steps_key = next(k for k in series if k.startswith(M.exposed_names(M.STEPS)[0] + "{"))
     stamp = M.LAST_STEP_TIMESTAMP.name + steps_key[steps_key.index("{"):]
-    out.append({"series": replay._with_target(stamp),
+    out.append({"series": replay._with_target(stamp, target),
                 "values": _values([n * mapping.step_seconds if n else None for n in seen])})
     return out
 
@@ -102,21 +113,19 @@ def reported(text: str) -> Dict[Tuple[str, float], List[Tuple[Dict[str, str], fl
     return out
 
 
-def timeline(series: Dict[str, List[Optional[float]]], steps: int, mapping: Mapping, binary: str,
-             rules: Optional[dict] = None) -> List[FrozenSet[Alert]]:
-    """The alerts firing at each evaluation k (time k x 15 s), k = 0 .. evaluations(steps) - 1."""
-    rules = rules if rules is not None else shipped_rules()
-    n = mapping.evaluations(steps)
-    queries = [{"expr": FIRING, "eval_time": f"{k * SCRAPE_SECONDS}s", "exp_samples": []} for k in range(n)]
-    queries.append({"expr": f"vector({replay.SENTINEL})", "eval_time": "0s", "exp_samples": []})
+def _promtool(rules: dict, inputs: List[dict], queries: List[str], evaluations: int,
+              binary: str) -> Dict[Tuple[str, float], List[Tuple[Dict[str, str], float]]]:
+    """Evaluate ``rules`` over ``inputs`` with promtool, asking each query at evaluations 0 ..
+    ``evaluations`` - 1; what promtool got (:func:`reported`), the sentinel checked."""
+    tests = [{"expr": q, "eval_time": f"{k * SCRAPE_SECONDS}s", "exp_samples": []}
+             for q in queries for k in range(evaluations)]
+    tests.append({"expr": f"vector({replay.SENTINEL})", "eval_time": "0s", "exp_samples": []})
     with tempfile.TemporaryDirectory() as d:
         # JSON is YAML to promtool, and far faster to write than PyYAML's emitter
         (Path(d) / "rules.yml").write_text(json.dumps(rules))
         (Path(d) / "replay.yml").write_text(json.dumps({
             "rule_files": ["rules.yml"], "evaluation_interval": f"{SCRAPE_SECONDS}s",
-            "tests": [{"interval": f"{SCRAPE_SECONDS}s",
-                       "input_series": input_series(series, steps, mapping, replay.read_by(rules)),
-                       "promql_expr_test": queries}]}))
+            "tests": [{"interval": f"{SCRAPE_SECONDS}s", "input_series": inputs, "promql_expr_test": tests}]}))
         r = subprocess.run([binary, "test", "rules", "replay.yml"], cwd=d, capture_output=True, text=True)
     text = r.stdout + r.stderr
     if "err:" in text:  # a rule promtool could not evaluate (its sample limit, say): no timeline to trust
@@ -124,5 +133,61 @@ def timeline(series: Dict[str, List[Optional[float]]], steps: int, mapping: Mapp
     got = reported(text)
     if got.get((f"vector({replay.SENTINEL})", 0.0)) != [({}, float(replay.SENTINEL))]:
         raise RuntimeError("promtool's report was not understood:\n" + text[-3000:])
+    return got
+
+
+def timeline(series: Series, steps: int, mapping: Mapping, binary: str,
+             rules: Optional[dict] = None) -> List[FrozenSet[Alert]]:
+    """The alerts firing at each evaluation k (time k x 15 s), k = 0 .. evaluations(steps) - 1:
+    one run, one promtool run (the reference :func:`timelines` is checked against)."""
+    rules = rules if rules is not None else shipped_rules()
+    n = mapping.evaluations(steps)
+    got = _promtool(rules, input_series(series, steps, mapping, replay.read_by(rules)), [FIRING], n, binary)
     return [frozenset((labels["alertname"], labels["severity"])
                       for labels, _ in got.get((FIRING, k * SCRAPE_SECONDS), ())) for k in range(n)]
+
+
+Run = Tuple[Series, int, Mapping]  # a replayed run's expositions, the steps to evaluate, the step rate
+
+
+def timelines(runs: Sequence[Run], binary: str, rules: Optional[dict] = None) -> List[List[FrozenSet[Alert]]]:
+    """:func:`timeline` of each run, all in one promtool run (one ``job`` a run) when the rules
+    keep jobs apart, else one promtool run each."""
+    rules = rules if rules is not None else shipped_rules()
+    if mixes_runs(rules):
+        return [timeline(series, steps, mapping, binary, rules) for series, steps, mapping in runs]
+    wanted = replay.read_by(rules)
+    inputs = [s for i, (series, steps, mapping) in enumerate(runs)
+              for s in input_series(series, steps, mapping, wanted, job=f"run{i}")]
+    counts = [mapping.evaluations(steps) for _, steps, mapping in runs]
+    got = _promtool(rules, inputs, [FIRING_BY_JOB], max(counts), binary)
+    out: List[List[set]] = [[set() for _ in range(n)] for n in counts]
+    for k in range(max(counts)):
+        for labels, _ in got.get((FIRING_BY_JOB, k * SCRAPE_SECONDS), ()):
+            i = int(labels["job"][len("run"):])
+            if k < counts[i]:  # past its last step a run's series go stale: what fires then is not its
+                out[i][k].add((labels["alertname"], labels["severity"]))
+    return [[frozenset(f) for f in run] for run in out]
+
+
+_AGGREGATION = re.compile(r"(?<![\w:])(sum|min|max|avg|group|stddev|stdvar|count|count_values|quantile|topk|bottomk)"
+                          r"\s*(?:(by|without)\s*\(([^()]*)\)\s*)?\(")
+_MATCHING = re.compile(r"\b(on|ignoring)\s*\(([^()]*)\)")
+_ACROSS = re.compile(r"\b(absent|absent_over_time|scalar|label_replace|label_join)\s*\(")
+
+
+def mixes_runs(rules: dict) -> List[str]:
+    """The rule expressions that could compare series of two jobs (empty: runs can share a
+    promtool run). Conservative: an aggregation without ``by (..., job, ...)``, a matching
+    ``on`` without job or ``ignoring`` job, and functions that read across series or rewrite
+    labels (``label_replace`` only when it writes ``job``) are reported."""
+    out = []
+    for r in (r for g in rules["groups"] for r in g["rules"]):
+        expr = r["expr"]
+        bad = any(by != "by" or "job" not in re.findall(r"\w+", names) for _, by, names in _AGGREGATION.findall(expr))
+        bad |= any((kind == "on") != ("job" in re.findall(r"\w+", names)) for kind, names in _MATCHING.findall(expr))
+        bad |= any(m.group(1) != "label_replace" or re.search(r'label_replace\s*\([^,]*,\s*"job"', expr)
+                   for m in _ACROSS.finditer(expr))
+        if bad:
+            out.append(r.get("alert") or r.get("record"))
+    return out

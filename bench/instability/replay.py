@@ -119,9 +119,9 @@ def _value(v: Optional[float]) -> str:
     return repr(v)
 
 
-def _with_target(key: str) -> str:
+def _with_target(key: str, target: Dict[str, str] = TARGET) -> str:
     name, rest = key.split("{", 1)
-    extra = ", ".join(f'{k}="{v}"' for k, v in TARGET.items())
+    extra = ", ".join(f'{k}="{v}"' for k, v in target.items())
     return f"{name}{{{extra}, {rest}" if rest != "}" else f"{name}{{{extra}}}"
 
 

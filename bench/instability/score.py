@@ -35,6 +35,8 @@ appended to ``corpus/test-split-log.jsonl`` with the commit, so repeated peeking
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import json
 import math
 import multiprocessing
@@ -170,13 +172,14 @@ def replay_steps(lab: dict, total: int) -> int:
 
 def score_run(name: str, lab: dict, split: str, rates: Sequence[float], binary: str,
               rules: Optional[dict] = None, promtool_rates: Optional[Sequence[float]] = None) -> List[RunScore]:
-    """The run replayed once in process, then through promtool at each rate."""
+    """The run replayed once in process, then through promtool at every rate in one promtool
+    run (``promtool_rates`` is accepted and unused, as before)."""
     rules = rules if rules is not None else pr.shipped_rules()
-    total = len(files.losses(name))
-    steps = replay_steps(lab, total)
+    steps = replay_steps(lab, len(files.losses(name)))
     series = inprocess.expositions(name, replay.read_by(rules), steps)
-    return [RunScore(name, lab["kind"], split, rate, steps, lab["divergence"], lab["spikes"],
-                     pr.timeline(series, steps, pr.Mapping(rate), binary, rules)) for rate in rates]
+    firing = pr.timelines([(series, steps, pr.Mapping(rate)) for rate in rates], binary, rules)
+    return [RunScore(name, lab["kind"], split, rate, steps, lab["divergence"], lab["spikes"], f)
+            for rate, f in zip(rates, firing)]
 
 
 # -- summaries -----------------------------------------------------------------------------
@@ -299,15 +302,31 @@ def log_test_scoring(scores: Sequence[RunScore], rates: Sequence[float], at: str
         f.write(json.dumps(entry, sort_keys=True) + "\n")
 
 
-def _score_one(job: Tuple[str, dict, str, Sequence[float], str]) -> Tuple[List[RunScore], float]:
-    name, lab, split, rates, binary = job
+BATCH = 6  # runs a promtool run evaluates at once: its per-evaluation share is paid once for all of them
+
+
+@dataclass(frozen=True)
+class _Work:
+    name: str
+    lab: dict
+    split: str
+    steps: int  # replayed
+
+
+def _replay_one(job: Tuple[_Work, dict]) -> Tuple[str, pr.Series, float]:
+    work, rules = job
     t0 = time.monotonic()
-    return score_run(name, lab, split, rates, binary), time.monotonic() - t0
+    return work.name, inprocess.expositions(work.name, replay.read_by(rules), work.steps), time.monotonic() - t0
 
 
-def score(names: Iterable[str], rates: Sequence[float], binary: str, jobs: int = 1,
-          progress: bool = False) -> List[RunScore]:
-    """Score the runs, ``jobs`` at a time (each replay is one process; promtool is another)."""
+def score(names: Iterable[str], rates: Sequence[float], binary: str, jobs: int = 1, progress: bool = False,
+          batch: int = BATCH, slow: bool = False, rules: Optional[dict] = None) -> List[RunScore]:
+    """Score the runs: each replayed in process once (``jobs`` processes at a time), then ``batch``
+    runs of similar length at a time through promtool, one promtool run per rate (``jobs``
+    promtool runs at a time, beside the replays). ``slow``: the reference path, one promtool
+    run per run and rate (:func:`promreplay.timeline`), which the batched path must equal."""
+    rules = rules if rules is not None else pr.shipped_rules()
+    jobs = max(1, jobs)
     manifest = files.manifest()["runs"]
     labels = load_labels()
     work = []
@@ -315,14 +334,50 @@ def score(names: Iterable[str], rates: Sequence[float], binary: str, jobs: int =
         if labels[name]["kind"] == labeler.UNLABELLED:
             continue
         check_recording(name, manifest[name])
-        work.append((name, labels[name], manifest[name]["split"], tuple(rates), binary))
+        work.append(_Work(name, labels[name], manifest[name]["split"],
+                          replay_steps(labels[name], manifest[name]["steps"])))
+    work.sort(key=lambda w: (w.steps, w.name))  # a batch's runs end together: none idles in a long promtool run
+    batch = 1 if slow else max(1, batch)
+    batches = [work[i:i + batch] for i in range(0, len(work), batch)]
+
+    def evaluate(runs: List[Tuple[_Work, pr.Series]], rate: float) -> List[RunScore]:
+        replayed = [(series, w.steps, pr.Mapping(rate)) for w, series in runs]
+        firing = [pr.timeline(*r, binary, rules) for r in replayed] if slow else pr.timelines(replayed, binary, rules)
+        return [RunScore(w.name, w.lab["kind"], w.split, rate, w.steps, w.lab["divergence"], w.lab["spikes"], f)
+                for (w, _), f in zip(runs, firing)]
+
     out: List[RunScore] = []
-    with multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else _Serial() as pool:
-        for scores, seconds in pool.imap(_score_one, work):
-            out += scores
-            if progress:
-                print(f"  {scores[0].name}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    with (multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else _Serial()) as pool, \
+            concurrent.futures.ThreadPoolExecutor(jobs) as promtool:
+        ahead = iter(work)
+        replays: collections.deque = collections.deque()  # in order; a few ahead, so their series wait briefly
+        pending: collections.deque = collections.deque()
+        for runs in batches:
+            done = []
+            for w in runs:
+                while len(replays) < jobs + batch and (nxt := next(ahead, None)) is not None:
+                    replays.append(pool.apply_async(_replay_one, ((nxt, rules),)))
+                name, series, seconds = replays.popleft().get()
+                assert name == w.name
+                done.append((w, series))
+                if progress:
+                    print(f"  {name}: replayed in {seconds:.1f} s", file=sys.stderr, flush=True)
+            pending += [(promtool.submit(evaluate, done, rate), [w.name for w in runs], rate) for rate in rates]
+            while len(pending) > 2 * jobs * len(rates):  # each holds its batch's series: bounded
+                out += _finish(pending.popleft(), progress, t0)
+        while pending:
+            out += _finish(pending.popleft(), progress, t0)
     return out
+
+
+def _finish(entry: tuple, progress: bool, t0: float) -> List[RunScore]:
+    future, names, rate = entry
+    scores = future.result()
+    if progress:
+        print(f"  promtool at {rate:g} s/step: {', '.join(names)} done at {time.monotonic() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+    return scores
 
 
 class _Serial:
@@ -334,8 +389,16 @@ class _Serial:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def imap(self, fn, items):
-        return map(fn, items)
+    def apply_async(self, fn, args):
+        return _Done(fn(*args))
+
+
+@dataclass
+class _Done:
+    value: object
+
+    def get(self) -> object:
+        return self.value
 
 
 def main() -> None:
@@ -344,6 +407,9 @@ def main() -> None:
     p.add_argument("--runs", nargs="*", help="only these runs")
     p.add_argument("--rates", nargs="*", type=float, default=list(RATES), help="seconds per step")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs scored at once (default: CPUs)")
+    p.add_argument("--batch", type=int, default=BATCH, help="runs one promtool run evaluates together")
+    p.add_argument("--slow", action="store_true", help="the reference path: one promtool run per run and rate "
+                                                       "(what the batched path is checked against)")
     p.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
     p.add_argument("--docs", type=Path, nargs="?", const=ROOT / "docs" / "alert-evaluation.md",
                    help="also write the report into this file's generated section (default: docs/alert-evaluation.md)")
@@ -365,7 +431,7 @@ def main() -> None:
     names = [n for n in sorted(manifest) if manifest[n]["split"] in splits and (not a.runs or n in a.runs)]
     t0 = time.monotonic()
     at = commit()  # the code that scores is the code at the start
-    scores = score(names, a.rates, binary, a.jobs, progress=not a.quiet)
+    scores = score(names, a.rates, binary, a.jobs, progress=not a.quiet, batch=a.batch, slow=a.slow)
     log_test_scoring(scores, a.rates, at)
     text = report(scores, splits, a.rates, len(names), time.monotonic() - t0, at)
     if a.dir is not None:
