@@ -153,3 +153,26 @@ def test_every_relative_link_in_the_readme_and_docs_points_at_an_existing_file_a
             elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
                 broken.append(f"{source.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+# A timing or a speed-up in a comment drifts from the code it describes: figures live in
+# docs/benchmark.md with their date and command, and the comment keeps the reason.
+FIGURE = re.compile(r"\d(?:[\d.,]*\d)? ?(?:ms|µs|us|ns)\b|\d(?:\.\d+)?x (?:faster|slower|cheaper|less|more|the)\b"
+                    r"|~?\d+(?:\.\d+)? ?% (?:less|more|faster|slower|overhead)")
+NOT_MEASURED = {
+    ("gradmon/aggregate/publisher.py", "100 ms"): "a step rate for the arithmetic of an example",
+    ("gradmon/serve/server.py", "40 ms"): "TCP's delayed acknowledgement, a constant of the kernel",
+}
+
+
+def test_no_comment_or_docstring_in_gradmon_carries_a_benchmark_figure():
+    import io
+    import tokenize
+    found = []
+    for path in sorted((ROOT / "gradmon").rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if tok.type == tokenize.COMMENT or (tok.type == tokenize.STRING and tok.string.startswith(('"""', "'''"))):
+                found += [f"{where}:{tok.start[0]}: {m.group(0)}" for m in FIGURE.finditer(tok.string)
+                          if (where, m.group(0).lstrip("~")) not in NOT_MEASURED]
+    assert not found, "move these figures to docs/benchmark.md (date, command) and keep the reason:\n" + "\n".join(found)

@@ -48,8 +48,8 @@ _DOT_MIN = 2 ** 14  # below it the dot's extra sqrt launch costs more than it sa
 def _l2(t: torch.Tensor) -> torch.Tensor:
     """The L2 norm of ``t`` as a 0-d tensor, reduced in float32 at least. A large
     contiguous float32/float64 tensor on the CPU takes the root of its BLAS dot product
-    with itself: 2-2.5x faster than ``vector_norm`` there, and more accurate (in float32
-    at 1M elements: 1e-6 relative error against vector_norm's 1e-5). Both overflow alike
+    with itself: as fast as ``vector_norm`` there or faster, and closer to the float64
+    norm (docs/benchmark.md, "Kernel choices"). Both overflow alike
     (a value above ~1.8e19 squares to Inf in float32), so a finite norm still proves the
     tensor finite (:func:`_host_says_finite`). Inside a compiled region the dot would be an
     extern call, which Inductor cannot fuse with the record's other reductions: there it
@@ -92,8 +92,8 @@ def activation_record(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(float32 or float64 [L2 norm, min, max], int64 [nan, inf]) of one layer output.
 
     Three kernels per call, because hooks run once per layer per forward: the squaring
-    and max(|min|, |max|) happen on the host. min/max come from aminmax, ~12x faster on
-    CPU than the inf-norm kernel."""
+    and max(|min|, |max|) happen on the host. min/max come from aminmax, faster on the
+    CPU than the inf-norm kernel (docs/benchmark.md, "Kernel choices")."""
     x = x.detach()
     norm = _l2(x)
     lo, hi = torch.aminmax(x)
@@ -156,10 +156,9 @@ def _is_prime(n: int) -> bool:
 
 RUN = 16
 """Elements of one contiguous run of :func:`sample_runs`: 64 bytes of float32, one cache
-line read whole, where single elements a stride apart cost a line each (gathering 16K
-of them from each of a model's weights, gradients and two Adam moments took ~5 ms on the
-reference CPU). Runs of 256 were cheaper still but, with only 64 of them per matrix,
-missed rows enough to move an embedding's ratio by 4 %; 16 keeps it near 1 %."""
+line read whole, where single elements a stride apart cost a line each. Longer runs
+are cheaper still but, with fewer of them per matrix, miss whole rows and move an
+embedding's ratio more (docs/benchmark.md, "Kernel choices", for the figures)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -204,9 +203,8 @@ def moments_record(x: torch.Tensor, limit: int = MOMENTS_SAMPLE) -> Tuple[torch.
 class Scratch:
     """Memory one caller reuses from call to call, for the large temporaries of a step's
     batched statistics. On the CPU a fresh block of a few MB is fresh pages from the OS,
-    and faulting them in costs more than the arithmetic on them (``z * z`` over the
-    benchmark's GPT's (41, 16K) moments block: 0.74 ms into fresh memory, 0.05 ms into
-    memory used before); a device's caching allocator already reuses its blocks, so
+    and faulting them in costs more than the arithmetic on them (docs/benchmark.md,
+    "Kernel choices"); a device's caching allocator already reuses its blocks, so
     elsewhere each call gets fresh memory and nothing is held. Held memory is the largest
     block asked for under each name; nothing returned to callers may alias it."""
 
@@ -276,8 +274,8 @@ def moments_block(samples: Sequence[torch.Tensor], numels: Sequence[int], home: 
 @functools.lru_cache(maxsize=16)
 def _padding_mask(lengths: Tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.bool) -> torch.Tensor:
     """(n, longest) 1 where a row of lengths ``lengths`` holds an element, 0 in its padding,
-    in ``dtype`` (a multiplier in the block's own dtype: a bool one costs a conversion pass,
-    ~8x the multiply itself on the CPU): the same few layouts come back every detail step,
+    in ``dtype`` (a multiplier in the block's own dtype: a bool one costs a conversion pass
+    on the CPU; docs/benchmark.md, "Kernel choices"): the same few layouts come back every detail step,
     so it is built once each."""
     n = torch.tensor(lengths).unsqueeze(1)
     return (torch.arange(max(lengths)) < n).to(device=device, dtype=dtype, non_blocking=True)
@@ -377,8 +375,8 @@ def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool) -> to
     except on the CPU, where ``_foreach_norm`` is a loop over ``vector_norm`` (a dispatch
     per tensor, the whole cost of a small one): there the small float32/float64 ones are
     copied into one vector and reduced by segment (:func:`_segment_norms`), and the large
-    ones take :func:`_l2`'s dot product (~25 % less than vector_norm on the reference
-    benchmark's gradients)."""
+    ones take :func:`_l2`'s dot product (for the figures against ``_foreach_norm``:
+    docs/benchmark.md, "Kernel choices")."""
     low = torch.float32 if dtype in _LOW_PRECISION else None
     if group[0].device.type != "cpu" or low is not None:
         return torch.stack(torch._foreach_norm(group, 2, dtype=low))

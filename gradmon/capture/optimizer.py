@@ -38,8 +38,8 @@ CHUNK_BYTES = 64 * 2 ** 20
 _TEMPORARIES = 5  # float32 pieces alive at once in _adam_sums (at most)
 CHUNK = min(CHUNK_BYTES // (4 * _TEMPORARIES), 2 ** 20)
 """Most elements of one batch. Smaller than the memory cap allows: the passes over a
-batch of 4 MB pieces find it still in the CPU's cache (measured ~1.5x faster than
-3M-element batches on the reference benchmark's model)."""
+batch of 4 MB pieces find it still in the CPU's cache (against larger batches:
+docs/benchmark.md, "Kernel choices")."""
 
 #: Optimizers whose update gradmon can rebuild, by exact type: a subclass may change
 #: the rule, and a wrong ratio is worse than a layer counted as uncovered.
@@ -252,7 +252,7 @@ def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam
         if 0 < sample < numel:
             runs, step_ = stats.sample_runs(tuple(p.shape), numel, sample)
             batch = batch_for(key, group, step, tuple(tensors), runs * stats.RUN)
-            # a contiguous tensor is strided over as it is (a reshape first costs ~2 µs each)
+            # a contiguous tensor is strided over as it is (a reshape first is a call per tensor)
             views = {name: (t if t.is_contiguous() else t.reshape(-1)).as_strided((runs, stats.RUN), (step_, 1))
                      for name, t in tensors.items()}
             batch.sampled.append((j, numel / (runs * stats.RUN), views))
@@ -260,7 +260,7 @@ def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam
         # a view where the memory is contiguous; a copy otherwise (channels_last weights
         # and their state flatten in the same element order, so the pieces still match).
         # A vector is already flat: a model's dozens of biases and norm weights would
-        # otherwise cost a reshape call per tensor each, ~1.5 µs apiece
+        # otherwise cost a reshape call each (docs/benchmark.md, "Kernel choices")
         flat = {name: t if t.dim() == 1 else t.reshape(-1) for name, t in tensors.items()}
         if numel <= SMALL:
             batch_for(key, group, step, tuple(tensors), SMALL).small.append((j, flat))
@@ -325,8 +325,9 @@ def _update_sums(a: List[torch.Tensor], w: List[torch.Tensor], lr: Any, c: Any, 
 
 def _dots(x: List[torch.Tensor], y: List[torch.Tensor]) -> torch.Tensor:
     """Σ x·y of each piece, in float64, one value per row of a 2-D block and per flat
-    piece (a dot product: on the CPU about twice as fast as the norm kernel). ``vecdot``
-    takes a block's rows at once, 4x faster on the CPU than a batched matrix product."""
+    piece (a dot product: on the CPU as fast as the norm kernel or faster). ``vecdot``
+    takes a block's rows at once, faster on the CPU than a batched matrix product
+    (docs/benchmark.md, "Kernel choices")."""
     out = [torch.linalg.vecdot(a, b) if a.dim() == 2 else torch.dot(a, b).reshape(1) for a, b in zip(x, y)]
     return (torch.cat(out) if len(out) > 1 else out[0]).double()
 

@@ -323,9 +323,10 @@ class StepRecords:
         self._layer_names = tuple(layer_names)
         self._errors = errors
         # The combined statistics' temporaries, kept from one detail step to the next only
-        # where those come often: on the CPU fresh pages for them cost 0.8 ms a detail step
-        # on the benchmark's GPT (0.3 % with every family every step), where at the default
-        # cadence keeping them would hold memory (5 MB there, up to 32 MB) for 0.02 %.
+        # where those come often: on the CPU fresh pages for them cost a page fault per
+        # page every detail step, which matters only when detail steps are frequent; at the
+        # default cadence keeping them would hold memory for almost no time saved
+        # (docs/benchmark.md, "Kernel choices", for the figures).
         self._scratch = stats.Scratch() if keep_scratch else None
         self._last: Dict[str, Tuple[torch.Tensor, int, List[Tuple[Statistic, Any]]]] = {}
         self._unmeasured: set = set()  # kinds of tensor skipped, already logged
