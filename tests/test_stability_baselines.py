@@ -109,7 +109,7 @@ def test_both_baselines_restart_when_the_learning_rate_jumps_and_the_activation_
 def test_the_baseline_gauges_count_in_the_series_budget():
     for stat, spec in ((S.GRAD, M.GRAD_NORM_BASELINE_RATIO), (S.UPDATE_RATIO, M.UPDATE_RATIO_BASELINE_RATIO)):
         assert spec in [g.spec for g in stat.gauges]
-        assert stat.series_per_layer == len(stat.gauges) + (2 if stat.counter else 0)
+        assert stat.series_per_layer == len(stat.gauges) + (len(M.NONFINITE_KINDS) if stat.counter else 0)
 
 
 @pytest.mark.parametrize("option", ["norm_baseline", "update_baseline"])
