@@ -111,10 +111,16 @@ def extremes(x: torch.Tensor, batch: Optional[int] = None) -> Tuple[torch.Tensor
     Given ``batch`` (``x`` :func:`has_rows`): (min, max, rows), the same pass made per
     batch row, ``rows`` the (batch, 2) [min, max] of each row and min/max reduced from
     them (over ``batch`` values, not the data). NaN propagates, so a row's pair says
-    whether that row holds a NaN or an Inf."""
+    whether that row holds a NaN or an Inf. On the CPU the rows take ``amin`` and ``amax``
+    apart: its ``aminmax`` along a dimension is a slow kernel (several times one pass
+    over the whole tensor), where the two reductions cost about one pass each."""
     if batch is None:
         return torch.aminmax(x.detach())
-    lo, hi = torch.aminmax(x.detach().reshape(batch, -1), dim=1)
+    by_row = x.detach().reshape(batch, -1)
+    if by_row.device.type == "cpu":
+        lo, hi = by_row.amin(dim=1), by_row.amax(dim=1)
+    else:
+        lo, hi = torch.aminmax(by_row, dim=1)
     return lo.min(), hi.max(), torch.stack((lo, hi), dim=1)
 
 
