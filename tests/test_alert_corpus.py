@@ -146,13 +146,34 @@ def test_the_encoding_refuses_a_finite_value_past_float32():
         files.encode(np.array([1e39]))
 
 
+def test_the_column_encoding_keeps_whole_numbers_exact_and_values_within_2_to_the_minus_8():
+    # two layouts (widths 3 and 2), packets interleaved as a detail cadence makes them
+    # two layouts (widths 3 and 2; layout 1's last value a step scalar, the loss), interleaved
+    rows = {0: [[0.0, 1.5, 7.0], [0.0, 1.51, 2.0 ** 31 - 1], [3.0, math.nan, 5.0]],
+            1: [[1e-30, math.pi], [math.inf, 3.3e38], [-math.inf, -2.5e-3]]}
+    layout = np.array([0, 1, 0, 1, 0, 1], np.int16)
+    exact = np.array([v for i, lay in enumerate(layout) for v in rows[lay][i // 2]])
+    offset = np.array([0, 3, 5, 8, 10, 13, 15], np.int64)
+    rec = {"packet_offset": offset, "packet_layout": layout,
+           **files.encode_columns(exact, offset, layout, scalars=[0, 1])}
+    back = files.values(rec)
+    assert list(rec["packet_columns"]) == [0, 1, 0, 1, 2]  # whole numbers as numbers, the scalar as float32
+    assert back[[0, 5, 7, 10, 12]].tolist() == [0.0, 0.0, 2.0 ** 31 - 1, 3.0, 5.0]
+    assert back[[4, 9, 14]].tolist() == np.array([math.pi, 3.3e38, -2.5e-3], np.float32).tolist()
+    finite = np.isfinite(exact)
+    assert np.all(np.abs(back[finite] - exact[finite]) <= 2.0 ** -8 * np.abs(exact[finite]))
+    assert math.isnan(back[11]) and back[8] == math.inf and back[13] == -math.inf
+    assert files.values({"packet_values": files.encode(exact)}) == pytest.approx(exact, rel=8e-6, nan_ok=True)
+
+
 # -- the in-process replay -------------------------------------------------------------------
 
 
-def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path):
+@pytest.mark.parametrize("cadence", [None, record_corpus.EVERY_STEP], ids=["defaults", "every-step"])
+def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path, cadence):
     """A short real run, recorded while its live exposition is kept after every step; the replay
-    of its packets through a fresh monitor must give the same samples (the encoding's 16
-    mantissa bits aside). A lost packet, a wrong step or a mis-rebuilt section fails."""
+    of its packets through a fresh monitor must give the same samples (the encoding's precision
+    aside). A lost packet, a wrong step or a mis-rebuilt section fails."""
     run = replace(corpus.by_name()["gru-poisoned-batch-s0"], poison=(40, 41))
     registry = CollectorRegistry()
     live = []
@@ -161,7 +182,8 @@ def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path):
         monitor.flush()
         live.append(inprocess._collect(registry, lambda name: True))
 
-    arrays = record_corpus.record(run, steps=60, registry=registry, on_step=keep)
+    arrays = record_corpus.record(run, steps=60, registry=registry, on_step=keep, cadence=cadence)
+    assert ("packet_codes" in arrays) == (cadence is not None)
     path = tmp_path / "run.npz"
     np.savez_compressed(path, **arrays)
     with np.load(path, allow_pickle=False) as z:
@@ -171,11 +193,13 @@ def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path):
         assert set(scrape) == {k for k, v in replayed.items() if v[step] is not None}, step
         for key, value in scrape.items():
             got = replayed[key][step]
-            # each encoded value is within 8e-6, a ratio of two (a baseline ratio) within 1.6e-5; a
-            # spike score divides log differences by a scale of at least spikes.LOG_FLOOR, where
-            # that becomes up to ~2e-4 of score (the counters of spikes stay exact)
-            close = pytest.approx(value, abs=1e-3) if key.startswith("gradmon_spike_score{") else \
-                pytest.approx(value, rel=2e-5, abs=1e-30)
+            # each encoded value is within 8e-6 (the column encoding: 2**-8), a ratio of two (a
+            # baseline ratio) within twice that, a ratio of ratios four times; a spike score divides
+            # log differences by a scale of at least spikes.LOG_FLOOR, where that becomes up to ~2e-4
+            # of score (~0.04 in the column encoding; the counters of spikes stay exact)
+            rel, score_abs = (2e-5, 1e-3) if cadence is None else (4 * 2.0 ** -8, 0.1)
+            close = pytest.approx(value, abs=score_abs) if key.startswith("gradmon_spike_score{") else \
+                pytest.approx(value, rel=rel, abs=1e-30)
             assert got == close or (math.isnan(got) and math.isnan(value)), (step, key)
 
 

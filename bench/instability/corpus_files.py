@@ -20,6 +20,16 @@ A recording holds, as numpy arrays (``np.load(..., allow_pickle=False)``):
   a third smaller than plain float32, which would not fit the 0.5 MB a run may take);
 - ``meta`` (a JSON string): the run, the attach options, the layer names, the torch and gradmon
   versions.
+
+A recording of every statistic on every step (``record_corpus.py --every-step``: four times the
+values of the default cadence) would not fit 0.5 MB so. It holds ``packet_codes`` and
+``packet_columns`` in place of ``packet_values`` (:func:`encode_columns`): the packets of each
+layout as a matrix, one column per value; a column of whole numbers kept exactly, the step
+scalars (the loss) as float32, any other column as float32 rounded to COLUMN_MANTISSA_BITS
+(bfloat16's precision, a relative error below 2**-8, float32's range); each column as
+differences from the step before (zigzag), column after column, in byte planes, so deflate sees
+the small numbers a slowly moving statistic makes.
+:func:`values` reads either.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -58,24 +68,92 @@ use(os.environ.get(ENV))
 MANTISSA_BITS = 16  # of float32's 23
 
 
+COLUMN_MANTISSA_BITS = 7  # the most that lets an lm run of every statistic on every step fit 0.5 MB
+_WHOLE, _FLOAT, _FLOAT32 = 0, 1, 2  # a column's kind in packet_columns
+
+
+def _round_bits(exact: np.ndarray, keep: int) -> np.ndarray:
+    """float64 -> the float32 bit patterns rounded to ``keep`` mantissa bits (NaN and +-Inf as
+    they are); a finite value that rounds past float32's range is refused."""
+    with np.errstate(over="ignore"):  # an overflow is refused below, by value
+        f = exact.astype(np.float32)
+    drop = 23 - keep
+    bits = f.view(np.uint32)
+    if not drop:
+        return bits
+    rounded = np.where(np.isfinite(f), ((bits + np.uint32(1 << (drop - 1))) >> drop) << drop, bits).astype(np.uint32)
+    if np.any(np.isfinite(exact) & ~np.isfinite(rounded.view(np.float32))):
+        raise ValueError("a packet value exceeds float32's range; this recording needs another encoding")
+    return rounded
+
+
 def encode(exact: np.ndarray) -> np.ndarray:
     """float64 values -> (4, n) uint8 byte planes of float32 rounded to MANTISSA_BITS. Counts
     below 2**17 stay exact; NaN and +-Inf stay what they are. A finite value that would round
     past float32's range is refused (it would read back as an overflow)."""
-    with np.errstate(over="ignore"):  # an overflow is refused below, by value
-        f = exact.astype(np.float32)
-    drop = 23 - MANTISSA_BITS
-    bits = f.view(np.uint32)
-    finite = np.isfinite(f)
-    rounded = np.where(finite, ((bits + np.uint32(1 << (drop - 1))) >> drop) << drop, bits).astype(np.uint32)
-    if np.any(np.isfinite(exact) & ~np.isfinite(rounded.view(np.float32))):
-        raise ValueError("a packet value exceeds float32's range; this recording needs another encoding")
-    return rounded.view(np.uint8).reshape(-1, 4).T.copy()
+    return _round_bits(exact, MANTISSA_BITS).view(np.uint8).reshape(-1, 4).T.copy()
 
 
 def decode(planes: np.ndarray) -> np.ndarray:
     """The inverse of :func:`encode`: float32 values."""
     return np.ascontiguousarray(planes.T).view(np.float32).reshape(-1)
+
+
+def _matrices(offset: np.ndarray, layout: np.ndarray):
+    """(packet indices, width) of each layout, in layout order: a layout's packets hold equally many values."""
+    for lay in np.unique(layout):
+        idx = np.nonzero(layout == lay)[0]
+        widths = set((offset[idx + 1] - offset[idx]).tolist())
+        if len(widths) != 1:
+            raise ValueError(f"layout {lay}: packets of {sorted(widths)} values")
+        yield idx, widths.pop()
+
+
+def encode_columns(exact: np.ndarray, offset: np.ndarray, layout: np.ndarray,
+                   scalars: Sequence[int]) -> Dict[str, np.ndarray]:
+    """The packets' values (``exact``, float64, sliced by ``offset``; ``layout`` per packet, whose
+    last ``scalars[layout]`` values are its step scalars) -> ``packet_columns`` (each column's
+    kind, layout after layout) and ``packet_codes`` (uint8)."""
+    kinds, codes = [], []
+    for idx, width in _matrices(offset, layout):
+        m = exact[offset[idx][:, None] + np.arange(width)] if width else np.zeros((len(idx), 0))
+        m = np.where(np.isnan(m), np.nan, m)  # one NaN: a payload below the kept bits would read back as Inf
+        whole = np.all(np.isfinite(m) & (m == np.round(m)) & (np.abs(m) < 2 ** 31), axis=0)
+        kind = np.where(whole, _WHOLE, _FLOAT).astype(np.uint8)
+        kind[width - scalars[layout[idx[0]]]:] = np.where(whole[width - scalars[layout[idx[0]]]:], _WHOLE, _FLOAT32)
+        drop = np.where(kind == _FLOAT32, 0, 23 - COLUMN_MANTISSA_BITS)
+        rounded = np.where(kind == _FLOAT32, _round_bits(m, 23), _round_bits(m, COLUMN_MANTISSA_BITS))
+        c = np.where(kind == _WHOLE, np.where(whole, m, 0).astype(np.int64), (rounded >> drop).astype(np.int64))
+        d = np.diff(c, axis=0, prepend=0)
+        codes.append(((d << 1) ^ (d >> 63)).T.reshape(-1))  # zigzag, column after column
+        kinds.append(kind)
+    z = np.concatenate(codes or [np.empty(0, np.int64)])
+    return {"packet_columns": np.concatenate(kinds or [np.empty(0, np.uint8)]),
+            "packet_codes": z.view(np.uint8).reshape(-1, 8).T.copy()}
+
+
+def decode_columns(rec: Dict[str, np.ndarray]) -> np.ndarray:
+    """The inverse of :func:`encode_columns`: float64 values in packet order."""
+    offset, layout = rec["packet_offset"], rec["packet_layout"]
+    z = np.ascontiguousarray(rec["packet_codes"].T).view(np.int64).reshape(-1)
+    out = np.empty(int(offset[-1]))
+    at = col = 0
+    for idx, width in _matrices(offset, layout):
+        n = len(idx) * width
+        d = ((z[at:at + n] >> 1) & np.int64(2 ** 63 - 1) ^ -(z[at:at + n] & 1)).reshape(width, len(idx)).T
+        c = np.cumsum(d, axis=0)
+        kind = rec["packet_columns"][col:col + width]
+        shift = np.where(kind == _FLOAT32, 0, 23 - COLUMN_MANTISSA_BITS)
+        codes = np.where(kind == _WHOLE, 0, c) << shift  # a whole column's numbers are no codes
+        floats = codes.astype(np.uint32).view(np.float32).astype(np.float64)
+        out[offset[idx][:, None] + np.arange(width)] = np.where(kind == _WHOLE, c.astype(np.float64), floats)
+        at, col = at + n, col + width
+    return out
+
+
+def values(rec: Dict[str, np.ndarray]) -> np.ndarray:
+    """A recording's packet values (float64), in either encoding."""
+    return decode_columns(rec) if "packet_codes" in rec else decode(rec["packet_values"]).astype(np.float64)
 
 
 def path(name: str) -> Path:

@@ -56,7 +56,7 @@ class Packets:
     def __init__(self, rec: Dict[str, np.ndarray]) -> None:
         self.rec = rec
         self.layouts = [(_sections(l), tuple(l["scalars"]), l) for l in files.layouts(rec)]
-        self.values = files.decode(rec["packet_values"]).astype(np.float64)
+        self.values = files.values(rec)
         self.offset = rec["packet_offset"]
         self.step = rec["packet_step"]
 
@@ -86,6 +86,7 @@ def replay_recording(rec: Dict[str, np.ndarray], run: corpus.Run, wanted: Callab
     name = run.name
     meta = files.meta(rec)
     options = dict(meta["options"])
+    options.setdefault("incident_dir", "")  # a replay is no incident: no bundles in the working directory
     scaler = torch.amp.GradScaler("cpu") if options.pop("scaler") else None
     registry = CollectorRegistry()
     monitor = gradmon.attach(corpus.build(run), registry=registry, scaler=scaler, **options)

@@ -5,6 +5,7 @@ step packet gradmon's publisher folded, exactly as it folded it.
     nice -n 19 python bench/instability/record_corpus.py --only lm-healthy-warmup-s0
     python bench/instability/record_corpus.py --manifest                 # rewrite manifest.json only
     nice -n 10 python bench/instability/record_corpus.py --set independent --dir /work/independent-corpus
+    nice -n 10 python bench/instability/record_corpus.py --every-step --dir DIR --only lm-healthy-warmup-s0
 
 Each run gets a fresh process, one at a time, one thread (gradmon's counters continue across
 attaches of one model name in one process; a real job is one process). gradmon is attached as a
@@ -85,7 +86,8 @@ class Tap:
         publisher.put = tapped_put
         aggregator.fold = tapped_fold
 
-    def arrays(self, losses: List[float]) -> Dict[str, np.ndarray]:
+    def arrays(self, losses: List[float], columns: bool = False) -> Dict[str, np.ndarray]:
+        """The recording's arrays; ``columns``: the values in ``corpus_files.encode_columns``."""
         if len(self.put_steps) != len(self.packets):
             raise RuntimeError(f"{len(self.put_steps)} packets published, {len(self.packets)} folded")
         layouts: List[str] = []
@@ -100,26 +102,36 @@ class Tap:
             lr = [np.nan if x is None else x for x in p.learning_rates]
             lrs.append(lr + [np.nan] * (groups - len(lr)))
         sizes = [len(v) for _, v in self.packets]
+        offset = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        exact = np.concatenate([v for _, v in self.packets] or [np.empty(0)])
+        layout = np.asarray(layout_ids, np.int16)
         return {
             "loss": np.asarray(losses, np.float32),
             "packet_step": np.asarray(self.put_steps, np.int32),
             "packet_index": np.asarray([p.index for p, _ in self.packets], np.int32),
             "packet_global_step": np.asarray([p.global_step for p, _ in self.packets], np.int32),
-            "packet_layout": np.asarray(layout_ids, np.int16),
+            "packet_layout": layout,
             "packet_lr": np.asarray(lrs, np.float64).reshape(len(self.packets), groups),
-            "packet_offset": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-            "packet_values": files.encode(np.concatenate([v for _, v in self.packets] or [np.empty(0)])),
+            "packet_offset": offset,
+            **(files.encode_columns(exact, offset, layout, [len(json.loads(l)["scalars"]) for l in layouts])
+               if columns else {"packet_values": files.encode(exact)}),
             "layouts": np.asarray("[" + ",".join(layouts) + "]"),
         }
 
 
+EVERY_STEP = {"detail_every": 1, "optimizer_every": 1}  # every statistic gradmon has, on every step
+
+
 def record(run: corpus.Run, steps: Optional[int] = None, registry: Optional[CollectorRegistry] = None,
-           on_step: Optional[Callable[[gradmon.Monitor, int], None]] = None) -> Dict[str, np.ndarray]:
+           on_step: Optional[Callable[[gradmon.Monitor, int], None]] = None,
+           cadence: Optional[Dict[str, int]] = None) -> Dict[str, np.ndarray]:
     """Train ``run`` (its first ``steps`` steps) with gradmon attached to ``registry``; ``on_step``
-    sees the monitor after each step (a test compares what gradmon exported live)."""
+    sees the monitor after each step (a test compares what gradmon exported live). ``cadence``:
+    attach options beside the defaults (:data:`EVERY_STEP`: then the values are stored by
+    ``corpus_files.encode_columns``, which fits them in 0.5 MB)."""
     tap = Tap()
     monitors: List[gradmon.Monitor] = []
-    options = {"final_scrape_timeout": 0, "name": run.family}
+    options = {"final_scrape_timeout": 0, "name": run.family, **(cadence or {})}
 
     def attach(model: torch.nn.Module, scaler):
         monitor = gradmon.attach(model, registry=registry or CollectorRegistry(), scaler=scaler, **options)
@@ -137,7 +149,7 @@ def record(run: corpus.Run, steps: Optional[int] = None, registry: Optional[Coll
     layers = list(monitor.layers)
     monitor.detach()
     inprocess.forget_carried(monitor)  # a run is a process of its own (a test records and replays in one)
-    arrays = tap.arrays(losses)
+    arrays = tap.arrays(losses, columns=cadence == EVERY_STEP)
     arrays["meta"] = np.asarray(json.dumps({
         "run": run.name, "options": {**options, "scaler": run.fp16}, "layers": layers,
         "torch_version": torch.__version__, "gradmon_version": gradmon.__version__,
@@ -177,11 +189,17 @@ def main() -> None:
     p.add_argument("--set", choices=sorted(SETS), default="corpus", help="which declared runs (default: corpus)")
     p.add_argument("--dir", type=Path, help="record into this directory instead of corpus/ (the independent set's "
                                             "lives outside the repository)")
+    p.add_argument("--every-step", action="store_true",
+                   help="every statistic on every step (detail_every=1, optimizer_every=1), in the column encoding; "
+                        "never into corpus/, whose labels are those of its own recordings")
     a = p.parse_args()
     if a.dir is not None:  # else the directory is corpus/ or, in a run's own process, the parent's
         files.use(a.dir)
     if a.set != "corpus" and files.ROOT in (files.DIR, *files.DIR.parents):
         p.error(f"--set {a.set} is recorded outside the repository (--dir), so that nobody tunes on it")
+    if a.every_step and files.DIR == files.COMMITTED:
+        p.error("--every-step records a new corpus: give it a --dir of its own (a re-recording's losses are not "
+                "bitwise the committed ones, so corpus/'s labels would not be its labels)")
     if a.manifest:
         write_manifest(a.set)
         return
@@ -191,17 +209,18 @@ def main() -> None:
     chosen = [r for r in declared if (r.name in a.only if a.only else not files.path(r.name).exists())]
     if len(chosen) > 1 or not a.only:
         for run in chosen:  # a fresh process per run, as a real job is (it inherits the directory: files.use)
-            subprocess.run([sys.executable, __file__, "--set", a.set, "--only", run.name], check=True)
+            subprocess.run([sys.executable, __file__, "--set", a.set, "--only", run.name,
+                            *(["--every-step"] if a.every_step else [])], check=True)
         write_manifest(a.set)
         return
     for run in chosen:
         t0 = time.process_time()
-        arrays = record(run)
+        arrays = record(run, cadence=EVERY_STEP if a.every_step else None)
         out = files.path(run.name)
         tmp = out.with_suffix(".tmp.npz")
         np.savez_compressed(tmp, **arrays)
         tmp.replace(out)
-        print(f"{run.name}: {len(arrays['packet_step'])} packets, {arrays['packet_values'].shape[1]} values, "
+        print(f"{run.name}: {len(arrays['packet_step'])} packets, {int(arrays['packet_offset'][-1])} values, "
               f"{time.process_time() - t0:.0f} CPU-s, {out.stat().st_size // 1024} KiB", flush=True)
 
 
