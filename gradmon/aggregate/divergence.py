@@ -303,9 +303,10 @@ class DivergenceWatch:
 
 def reason(watch: DivergenceWatch) -> Dict[str, object]:
     """Why ``watch`` paged, as JSON values (an incident bundle's ``reason``): the evidence,
-    the trend, its best and their ratio (None where not known, or not finite)."""
+    the trend, its best, their ratio and the run's first trend (None where not known, or
+    not finite)."""
     def number(x: Optional[float]) -> Optional[float]:
         return x if x is not None and math.isfinite(x) else None
     return {"kind": "divergence", "evidence": sorted(watch.evidence), "trend": number(watch.trend.value),
-            "best": number(watch.trend.best), "ratio": number(watch.trend.ratio()),
+            "best": number(watch.trend.best), "ratio": number(watch.trend.ratio()), "start": number(watch.trend.start),
             "diverged": watch.settings.diverged, "floor": watch.settings.floor, "window": watch.settings.window}

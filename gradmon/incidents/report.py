@@ -101,8 +101,7 @@ def what_text(b: B.Bundle) -> List[str]:
         evidence = reason.get("evidence") if isinstance(reason.get("evidence"), list) else []
         return [f"  loss divergence confirmed at step {_s(inc.get('step'))}: the mean of the last "
                 f"{_s(reason.get('window'))} losses is {_num(reason.get('trend'))}, {_num(reason.get('ratio'))} "
-                f"times its best {_num(reason.get('best'))} (a page needs {_s(reason.get('diverged'))} times and "
-                f"{_s(reason.get('floor'))} above it)",
+                f"times its best {_num(reason.get('best'))} (the run's first such mean: {_num(reason.get('start'))})",
                 "  evidence: " + (", ".join(_s(e) for e in evidence) or "none")]
     return [f"  {_s(m.get('kind'))} at step {_s(inc.get('step'))}"] + [
         f"  {_s(k)}: {_s(v)}" for k, v in reason.items() if k != "kind"]
@@ -230,7 +229,9 @@ def page(b: B.Bundle) -> str:
     data = page_data(b)
     data["step"] = b.meta["incident"]["step"]
     m = b.meta
-    title = f"gradmon incident: {m['run'].get('model')} rank {m['run'].get('rank')} step {m['incident'].get('step')}"
+    kind = "" if m.get("kind", "nonfinite") == "nonfinite" else f" ({m.get('kind')})"
+    title = (f"gradmon incident{kind}: {m['run'].get('model')} rank {m['run'].get('rank')} "
+             f"step {m['incident'].get('step')}")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'">
