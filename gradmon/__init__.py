@@ -12,17 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["attach", "Monitor", "Config", "Coverage", "NonFiniteIncident", "__version__"]
+__all__ = ["attach", "Monitor", "Config", "Coverage", "NonFiniteIncident", "GuardPersisted", "__version__"]
 
 # The public names are imported on first use: the ``gradmon`` command imports this
 # package, and ``gradmon --help`` must answer at once, without importing torch (seconds,
 # and torch's own warnings about the environment).
 _LAZY = {"attach": "monitor", "Monitor": "monitor", "Config": "config",
-         "Coverage": "snapshot", "NonFiniteIncident": "snapshot"}
+         "Coverage": "snapshot", "NonFiniteIncident": "snapshot", "GuardPersisted": "capture.stepguard"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import Config
     from .monitor import Monitor, attach
+    from .capture.stepguard import GuardPersisted
     from .snapshot import Coverage, NonFiniteIncident
 
 

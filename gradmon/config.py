@@ -281,6 +281,32 @@ class Config:
     """Steps the window must hold before a step is scored; after attach, a resume and a
     learning-rate jump. Fewer make the median and MAD too noisy to trust."""
 
+    guard: str = "off"
+    """Skip bad optimizer steps (off by default: a monitor changes nothing unless asked).
+    ``"nonfinite"`` skips a step whose gradients hold a NaN or an Inf, ``"nonfinite,spike"``
+    also a loss or gradient-norm spike (``guard_spike_z``): parameters and
+    optimizer state stay as they were, on every rank alike (one scalar all-reduce of the
+    verdict), counted in ``gradmon_guard_skipped_steps_total{reason}``. A fused optimizer
+    skips on the device (no host read); any other costs one host read per step, as a
+    GradScaler does. The learning-rate scheduler still advances. See docs/guard.md."""
+
+    guard_spike_z: float = 6.0
+    """With ``guard="nonfinite,spike"``: the robust score (the pages' spike score, computed on
+    the device before the step) above which a loss or global-gradient-norm step is skipped,
+    if its value is also above twice its window's median. The window is ``spike_window``
+    steps and must be full first. 6 is ``spike_threshold``'s default: a healthy run does not
+    reach it (docs/guard.md)."""
+
+    guard_max_skips: int = 10
+    """Consecutive bad steps the guard skips; the next one is applied and the run becomes
+    failed (``guard_on_persist``): a run of bad steps that long is no longer a bad batch,
+    and hiding it would hide a bug."""
+
+    guard_on_persist: str = "fail"
+    """What happens past ``guard_max_skips``: ``"fail"`` marks the run failed and training
+    goes on; ``"raise"`` raises ``gradmon.GuardPersisted`` from ``optimizer.step()``
+    (an optimizer that needs no host read learns it a step or two later)."""
+
     def __post_init__(self) -> None:
         _validate(self)
 
@@ -428,6 +454,20 @@ def _validate(cfg: Config) -> None:
     _check_selection(cfg)
     _check_detection(cfg)
     _check_objects(cfg)
+    _check_guard(cfg)
+
+
+def _check_guard(cfg: Config) -> None:
+    """The step guard's modes and its limit."""
+    from .capture.stepguard import ON_PERSIST, modes
+    try:
+        modes(cfg.guard)
+    except ValueError as exc:
+        _fail("guard", str(exc))
+    _in_range(cfg, "guard_max_skips", 1, 1_000_000, "a positive number of consecutive steps")
+    _in_range(cfg, "guard_spike_z", 1e-9, math.inf, "a positive number of robust standard deviations")
+    if cfg.guard_on_persist not in ON_PERSIST:
+        _fail("guard_on_persist", f"must be one of {', '.join(ON_PERSIST)}, got {cfg.guard_on_persist!r}")
 
 
 def _check_endpoint(cfg: Config) -> None:

@@ -41,6 +41,12 @@ SIGNAL_LOCAL_GRAD_NORM = "local_grad_norm"
 SIGNAL_LAYER_GRAD_NORM = "layer_grad_norm"
 SPIKE_SIGNALS: Tuple[str, ...] = (SIGNAL_LOSS, SIGNAL_GRAD_NORM, SIGNAL_LOCAL_GRAD_NORM, SIGNAL_LAYER_GRAD_NORM)
 
+#: Values of the ``reason`` label of gradmon_guard_skipped_steps_total: why the step guard
+#: (``guard=``) skipped an optimizer step.
+GUARD_NONFINITE = "nonfinite"
+GUARD_SPIKE = "spike"
+GUARD_REASONS: Tuple[str, ...] = (GUARD_NONFINITE, GUARD_SPIKE)
+
 #: Families (the ``family`` label of coverage metrics, and config switches).
 FAMILY_GRAD = "grad"
 FAMILY_GRAD_FLOW = "grad_flow"
@@ -242,6 +248,15 @@ AMP_SKIPPED_STEPS = _spec("amp_skipped_steps", "counter", (),
                           "Steps the GradScaler skipped on overflow (given attach(scaler=...)); not non-finite incidents.",
                           doc="Steps the GradScaler skipped on overflow (with `scaler=`); not non-finite "
                               "incidents")
+GUARD_SKIPPED_STEPS = _spec("guard_skipped_steps", "counter", ("reason",),
+                            "Optimizer steps the step guard (guard=) skipped, by reason (nonfinite, spike): parameters "
+                            "and optimizer state left as they were, on every rank alike; at 0 for each reason the "
+                            "guard watches, absent without a guard. Not counted here: the GradScaler's own skips.",
+                            doc="Optimizer steps the step guard (`guard=`) skipped, parameters and optimizer state "
+                                "left as they were, on every rank alike; at 0 for each reason the guard watches, "
+                                "absent without a guard; the GradScaler's own skips are not counted here (see "
+                                "[the step guard](guard.md))",
+                            values=(("reason", GUARD_REASONS),))
 AMP_LOSS_SCALE = _spec("amp_loss_scale", "gauge", (), "The GradScaler's loss scale at the last step.",
                        doc="The GradScaler's loss scale at the last step (with `scaler=`)")
 LOSS = _spec("loss", "gauge", (),

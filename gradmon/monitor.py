@@ -51,6 +51,8 @@ _CARRIED = CarriedCounters(most=64)
 
 
 _UNSET = object()  # observe() without loss=
+GUARD_FAILURE = "GuardPersisted"
+"""gradmon_run_failure_info's exception when the step guard gave up (``guard_max_skips``)."""
 
 
 def _version() -> str:
@@ -212,6 +214,8 @@ class Monitor:
             first = self._state != "detached"
             self._state = "detached"
         if first and self._pid == os.getpid():
+            if self._failure == GUARD_FAILURE and state == M.STATE_FINISHED:
+                state, failure = M.STATE_FAILED, GUARD_FAILURE  # a run the guard gave up on did not finish well
             self._set_run_state(state, failure)
         self._teardown(final_scrape=first)
 
@@ -296,7 +300,8 @@ class Monitor:
         cfg = self.config
         self._model_ref = weakref.ref(model)
         self._labels = _series_labels(self.name, self.rank, cfg)
-        wired = wire(model, inner, cfg, self.name, self.rank, self._errors, self._publish, self._on_incident)
+        wired = wire(model, inner, cfg, self.name, self.rank, self._errors, self._publish, self._on_incident,
+                     self._on_guard_persist)
         self._layer_names = tuple(layer.name for layer in wired.layers)
         self._reduced_per_layer, self._per_layer = wired.reduced_per_layer, wired.per_layer
         self._history, self._black_box = wired.history, wired.black_box
@@ -335,6 +340,19 @@ class Monitor:
                 self.config.on_nonfinite(incident)
             except Exception as exc:
                 self._errors.record("publish", exc)
+
+    def _on_guard_persist(self, reason: str, run: int, step: int) -> None:
+        """Publisher thread: the guard gave up on a run of bad steps (``guard_max_skips``):
+        the run is failed, and stays failed when it ends; with ``guard_on_persist="raise"``
+        the training thread raises at its next step (if it did not already)."""
+        log.error("gradmon[%s]: %d consecutive bad optimizer steps up to step %d (last skipped for %s): more than "
+                  "guard_max_skips=%d; the guard stopped skipping and the run is failed", self.name, run, step,
+                  reason, self.config.guard_max_skips)
+        recorder = self._recorder
+        if recorder is not None and recorder.step_guard is not None:
+            recorder.step_guard.persisted = True
+        if self._run_state == M.STATE_TRAINING or self._run_state == M.STATE_PAUSED:
+            self._set_run_state(M.STATE_FAILED, GUARD_FAILURE)
 
     def _publish(self, item: object) -> None:
         if self._publisher is not None:

@@ -546,6 +546,19 @@ SCALAR_AMP_FOUND_INF = "amp_found_inf"
 SGD) the step's overflow flag: the optimizer ran, but applied nothing (a skipped step)."""
 SCALAR_LOSS = "loss"
 """The mean of the losses ``Monitor.observe(loss=...)`` was given since the last step."""
+SCALAR_GUARD_SKIP = "guard_skip"
+"""The step guard's code (:data:`GUARD_CODES`) of a step it skipped; 0 for a step applied."""
+SCALAR_GUARD_RUN = "guard_run"
+"""Consecutive bad steps up to this one, as the step guard counts them (0: a good step)."""
+GUARD_CODES: Dict[str, float] = {M.GUARD_SPIKE: 1.0, M.GUARD_NONFINITE: 2.0}
+"""A guard verdict as a number, so that one MAX over the ranks agrees on the most serious reason."""
+
+
+def guard_verdict(scalars: Mapping[str, float]) -> Tuple[Optional[str], int]:
+    """(why the guard skipped the step, or None; the run of bad steps) from its scalars."""
+    code, run = scalars.get(SCALAR_GUARD_SKIP, 0.0), scalars.get(SCALAR_GUARD_RUN, 0.0)
+    reason = next((r for r, c in GUARD_CODES.items() if c == code), None)
+    return reason, int(run) if math.isfinite(run) else 0
 
 
 SCALAR_LEARNING_RATE = "lr/"

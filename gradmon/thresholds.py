@@ -58,6 +58,10 @@ class Thresholds:
     """Adam's RMS_t of g/sqrt(v̂) is about 1 for a gradient as large as its history; this
     many times that means a gradient spike the second moment has not caught up with (the
     instability StableAdamW clips; the bound is (1-β2)^(-1/2), 31.6 at β2=0.999, 4.5 at 0.95)."""
+    guard_skip_run: int = 3
+    """Steps the step guard (``guard=``) skipped within ``guard_window`` that page: one
+    skipped batch is a warning, several close together a job that keeps making bad steps
+    (the guard gives up after ``guard_max_skips`` consecutive ones: the run then fails)."""
     fp16_min_headroom: float = 2.0
     """A float16 tensor whose max |x| is within this factor of 65504 is one doubling from
     overflow. The gradient's headroom is the GradScaler's job where one is given (it
@@ -88,6 +92,8 @@ class Timing:
     update_ratio_for: float = 60
     fp16_for: float = 120
     lr_zero_for: float = 600
+    guard_window: float = 600
+    """Range over which the step guard's skips are counted (the warning holds this long after a skip)."""
 
     def scaled(self, factor: float) -> "Timing":
         return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self)})

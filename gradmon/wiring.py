@@ -21,10 +21,12 @@ from . import statistics as S
 from .aggregate import Aggregator, NonFiniteIncident
 from .aggregate.divergence import DivergenceSettings, DivergenceWatch
 from .aggregate.history import History
+from .aggregate.skips import ExcludeList, GuardSkips, OnPersist
 from .aggregate.spikes import SpikeTracker
 from .capture import sharded
 from .capture.hooks import Recorder
 from .capture.layers import Layer, discover, is_ddp, top_blocks
+from .capture.stepguard import StepGuard, agreement_groups, modes
 from .config import Config
 from .errors import ErrorLog
 from .grouping import Grouping, group_layers
@@ -52,7 +54,8 @@ class Wiring:
 
 
 def wire(model: nn.Module, inner: nn.Module, cfg: Config, name: str, rank: RankInfo, errors: ErrorLog,
-         publish: Callable[[object], None], on_incident: Callable[[NonFiniteIncident, bool], None]) -> Wiring:
+         publish: Callable[[object], None], on_incident: Callable[[NonFiniteIncident, bool], None],
+         on_guard_persist: Optional[OnPersist] = None) -> Wiring:
     """Everything one monitor of ``inner`` (``model`` unwrapped) needs, built and not started;
     a ValueError when no layer matches the options."""
     layers = tuple(discover(inner, cfg))
@@ -64,7 +67,10 @@ def wire(model: nn.Module, inner: nn.Module, cfg: Config, name: str, rank: RankI
     statistics = S.enabled(cfg, local_view=local_view, fp16_headroom=_fp16_headroom(cfg, layers))
     blocks = tuple(top_blocks(inner))
     units = tuple(sharded.fsdp1_units(model))
-    recorder = Recorder(layers, cfg, errors, publish, statistics, units)
+    guarded = modes(cfg.guard)
+    step_guard = StepGuard(guarded, cfg.guard_max_skips, cfg.guard_on_persist, agreement_groups(
+        model, [p for layer in layers for p in layer.params]), cfg.guard_spike_z, cfg.spike_window) if guarded else None
+    recorder = Recorder(layers, cfg, errors, publish, statistics, units, step_guard)
     grouping = group_layers(tuple(layer.name for layer in layers), S.series_per_layer(statistics), cfg.series_budget)
     if grouping.grouped_layers:
         log.warning("gradmon[%s]: %d layers exceed series_budget=%d; exporting %d module-name-prefix "
@@ -82,6 +88,10 @@ def wire(model: nn.Module, inner: nn.Module, cfg: Config, name: str, rank: RankI
                              history, on_incident)
     aggregator.black_box = black_box = _black_box(cfg, name, rank, errors, layers, aggregator.block_names,
                                                   recorder, inner)
+    if guarded:
+        exclude = ExcludeList(black_box.directory, name, rank.rank, errors) if black_box is not None else None
+        aggregator.guard = GuardSkips(sorted(guarded), cfg.guard_max_skips, on_guard_persist, exclude,
+                                      black_box.batch_ids if black_box is not None else None)
     return Wiring(layers, blocks, units, recorder, aggregator, history, black_box, reduced_per_layer, per_layer)
 
 

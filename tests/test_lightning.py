@@ -278,6 +278,7 @@ def test_a_process_that_is_not_lightnings_global_zero_does_not_announce(capfd):
     ({"prot": 1}, TypeError, "prot"),
     ({"port": "9400"}, TypeError, "port"),
     ({"every": 0}, ValueError, "every"),
+    ({"guard_on_persist": "stop"}, ValueError, "guard_on_persist"),
 ])
 def test_a_bad_option_fails_when_the_lightning_callback_is_made(options, error, option):
     from gradmon.integrations.lightning import GradmonCallback

@@ -81,13 +81,19 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=0.01, amsgrad=True, weight_decay=0.1)
 
 
+def _adamw_fused(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True)
+
+
 # Every family on every step; the per-layer origin records on steps with no detail; the
-# optimizer statistics on every step, SGD's and Adam's.
+# optimizer statistics on every step, SGD's and Adam's; the step guard on a fused optimizer,
+# which takes the verdict on the device (an unfused one reads it: docs/guard.md).
 @pytest.mark.parametrize("options,make", [
     (dict(detail_every=1, optimizer_every=1), _sgd),
     (dict(origin_per_layer=True, detail_every=100), _sgd),
-    (dict(detail_every=1, optimizer_every=1), _adamw)],
-    ids=["every_family", "origin_per_layer", "optimizer_adamw"])
+    (dict(detail_every=1, optimizer_every=1), _adamw),
+    (dict(detail_every=1, optimizer_every=1, guard="nonfinite"), _adamw_fused)],
+    ids=["every_family", "origin_per_layer", "optimizer_adamw", "guard_fused"])
 def test_hooked_forward_backward_and_step_never_sync_on_cpu(options, make, monkeypatch):
     # CPU Adam reads its own step count with .item() (capturable Adam, which does not,
     # needs CUDA): that read is the optimizer's, not gradmon's, so it reads host memory here.
@@ -177,6 +183,21 @@ def test_no_host_sync_on_cuda_under_sync_debug_mode_error(make):
             torch.cuda.set_sync_debug_mode(0)
         assert mon.flush()
         assert mon.snapshot().steps_total == 3 and mon.snapshot().loss is not None
+        assert sum(mon._errors.counts().values()) == 0
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_the_step_guard_on_a_fused_optimizer_never_syncs_on_cuda_under_sync_debug_mode_error():
+    torch.manual_seed(0)
+    model = Model().cuda()
+    opt = _adamw_fused(model.parameters())
+    train_steps(model, opt, 1, "cuda")
+    with gradmon.attach(model, port=0, addr="127.0.0.1", guard="nonfinite") as mon:
+        with cuda_sync_is_an_error(), RaiseOnSync():
+            train_steps(model, opt, 3, "cuda", mon)
+        assert mon.flush()
+        assert mon.snapshot().steps_total == 3 and mon._recorder.step_guard.syncs == 0
         assert sum(mon._errors.counts().values()) == 0
 
 

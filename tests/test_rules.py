@@ -153,6 +153,16 @@ CASES = {
         [series("gradmon_amp_skipped_steps_total", "0+1x40", rank="0"), series("gradmon_steps_total", "0+100x40", rank="0"),
          series("gradmon_amp_loss_scale", "65536 32768 65536 32768x37", rank="0")],
         [alert("GradmonLossScaleCollapse", "30m")]),
+    "a_guard_skip_warns": (
+        [series("gradmon_guard_skipped_steps_total", "0 0 0 1x20", rank="0", reason="nonfinite")],
+        [alert("GradmonGuardSkippedStep", "5m", ("warning", target(rank="0", reason="nonfinite"))),
+         alert("GradmonGuardSkipping", "5m")]),
+    "a_run_of_guard_skips_pages": (
+        [series("gradmon_guard_skipped_steps_total", "0 0 1 2 3 4x20", rank="0", reason="spike")],
+        [alert("GradmonGuardSkipping", "5m", ("critical", target(rank="0", reason="spike")))]),
+    "no_guard_alert_without_a_skip": (
+        [series("gradmon_guard_skipped_steps_total", "0x20", rank="0", reason="nonfinite")],
+        [alert("GradmonGuardSkippedStep", "15m"), alert("GradmonGuardSkipping", "15m")]),
     "rank_divergence_with_two_ranks": (
         [series("gradmon_local_grad_global_norm", "1x20", rank="0"),
          series("gradmon_local_grad_global_norm", "50x20", rank="1")],

@@ -130,6 +130,35 @@ def test_the_trainer_callback_counts_a_step_the_fp16_scaler_skipped(tmp_path, op
     assert value(seen.seen[3][1], "gradmon_amp_loss_scale") == 2.0 ** 9  # halved after the overflow
 
 
+class KeepParams(TrainerCallback):
+    """A copy of the model's parameters at the end of each optimizer step."""
+
+    def __init__(self, model) -> None:
+        self.model, self.kept = model, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.kept[state.global_step] = [p.detach().clone() for p in self.model.parameters()]
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_the_trainer_callback_takes_the_step_guard_and_skips_the_poisoned_step(tmp_path, optim):
+    from gradmon.integrations.transformers import GradmonCallback
+
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite", incident_dir="")
+    model = tiny_gpt2()
+    kept = KeepParams(model)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=4, optim=optim,
+                             max_grad_norm=1.0, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(32), callbacks=[gm, kept, PoisonOneStep(model, at=3)])
+    trainer.train()
+
+    assert all(torch.equal(a, b) for a, b in zip(kept.kept[2], kept.kept[3]))  # step 3 applied nothing
+    assert not all(torch.equal(a, b) for a, b in zip(kept.kept[3], kept.kept[4]))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    snap = gm.monitor.snapshot()
+    assert dict(snap.guard_skipped_steps) == {"nonfinite": 1} and snap.steps_total == 5
+
+
 def test_an_accelerate_loop_with_the_one_line_attach(tmp_path):
     """The Accelerate recipe of docs/integrations.md: attach to the prepared model, observe the loss, steps from the optimizer."""
     import gradmon
@@ -259,6 +288,7 @@ def test_a_process_that_is_not_the_trainers_main_process_does_not_announce(capfd
     ({"prot": 1}, TypeError, "prot"),
     ({"port": "9400"}, TypeError, "port"),
     ({"every": 0}, ValueError, "every"),
+    ({"guard": "nan"}, ValueError, "guard"),
 ])
 def test_a_bad_option_fails_when_the_callback_is_made_not_at_train_begin(options, error, option):
     from gradmon.integrations.transformers import GradmonCallback

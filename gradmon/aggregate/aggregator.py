@@ -29,6 +29,7 @@ from .histogram import NormHistogram
 from .history import History
 from .origin import OnIncident, OriginTracker
 from .scalars import LastStep
+from .skips import GuardSkips
 from .snapshot import Snapshot, WorstNames, per_layer, signal_gauges, spike_series, totals
 from .spikes import SpikeTracker
 
@@ -70,6 +71,7 @@ class Aggregator:
         self.divergence = divergence if divergence is not None else DivergenceWatch()
         self.history = history  # the live page's ring buffers, filled step by step here
         self.black_box: Optional[BlackBox] = None  # the incident bundles' steps, kept here; set by attach
+        self.guard: Optional[GuardSkips] = None  # the step guard's skips (guard=); set by attach
         self.generation = 0
         self._worst = WorstNames()
 
@@ -83,7 +85,8 @@ class Aggregator:
     def counters(self) -> Dict[str, object]:
         """Every counter, keyed by layer name rather than index, for :meth:`resume`."""
         return {**self.counts.saved(self.layer_names), "histogram": self.histogram.saved(),
-                "spike_steps": dict(self.spikes.spikes), "divergence": self.divergence.counters()}
+                "spike_steps": dict(self.spikes.spikes), "divergence": self.divergence.counters(),
+                "guard_skipped": self.guard.saved() if self.guard is not None else {}}
 
     def resume(self, saved: Mapping[str, object]) -> None:
         """Continue the counters of an earlier monitor with the same model name and
@@ -93,6 +96,8 @@ class Aggregator:
         self.histogram.resume(saved["histogram"])  # type: ignore[arg-type]
         self.spikes.resume(saved.get("spike_steps", {}))  # type: ignore[arg-type]
         self.divergence.resume(saved.get("divergence", {}))  # type: ignore[arg-type]
+        if self.guard is not None:
+            self.guard.resume(saved.get("guard_skipped", {}))  # type: ignore[arg-type]
 
     # -- folding -------------------------------------------------------------------
 
@@ -119,13 +124,16 @@ class Aggregator:
             self.last.counted(packet)
             if packet.measured_at_step:
                 self.cover.count_measured_at_step()
-        self._fold_scalars(values, packet)
+        scalars = self._fold_scalars(values, packet)
         if skipped:
             if self.history is not None:
                 self._remember(packet.global_step, skipped=True)
             return
+        # a step the guard skipped still had its gradients (counted as they were); the
+        # optimizer's reading of an update it never applied is dropped
+        guarded = self.guard.fold(scalars, packet.global_step) if self.guard is not None else None
         if data is not None:
-            self._fold_sections(data, packet)
+            self._fold_sections(data, packet, applied=guarded is None)
             if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
                 self.cover.detail_backward()
         paged = self.divergence.divergences
@@ -134,10 +142,12 @@ class Aggregator:
             # written before any snapshot counts the divergence, as a non-finite incident's
             self.black_box.write(Moment(packet.global_step), KIND_DIVERGENCE, divergence_reason(self.divergence))
 
-    def _fold_sections(self, data: torch.Tensor, packet: StepPacket) -> None:
+    def _fold_sections(self, data: torch.Tensor, packet: StepPacket, applied: bool = True) -> None:
         self.origins.start_step()
         any_bad = False
         for stat, section, table in S.read_tables(data, packet.sections):
+            if not applied and stat.at == S.OPTIMIZER:
+                continue
             any_bad |= self._fold(self.folded[stat.name], section, table, packet.sampled)
         if any_bad:
             self.counts.nonfinite_steps += 1
@@ -154,9 +164,9 @@ class Aggregator:
         self.history.record(step, grad.total if grad is not None else None, self.last.step_loss,  # type: ignore[union-attr]
                             self.last.first_rate, nonfinite, norms, skipped)
 
-    def _fold_scalars(self, values: Sequence[float], packet: StepPacket) -> None:
+    def _fold_scalars(self, values: Sequence[float], packet: StepPacket) -> Dict[str, float]:
         """The step scalars; first the learning rates, which restart the spike windows
-        when they jump, then what is scored."""
+        when they jump, then what is scored. Returns them all."""
         scalars = S.read_scalars(values, packet.scalars)
         lrs = self.last.rates(scalars, packet)
         restarts = self.spikes.restarts
@@ -169,6 +179,7 @@ class Aggregator:
         loss = self.last.observe_loss(scalars)
         if loss is not None:
             self.spikes.observe(M.SIGNAL_LOSS, loss)
+        return scalars
 
     def _fold(self, f: Folded, section: Section, table: torch.Tensor, sampled: bool) -> bool:
         """One statistic's records of one step (``table``: one row per record), folded per
@@ -274,7 +285,8 @@ class Aggregator:
             grouped_layers=self.grouped_layers, amp_skipped_steps=counts.amp_skipped(),
             amp_loss_scale=last.amp_loss_scale, spike_scores=scores, spike_steps=spike_steps,
             learning_rates=last.learning_rates, rank_nonfinite=layers.rank_nonfinite, worst=layers.worst,
-            signal_gauges=signal_gauges(self.spikes, self.divergence))
+            signal_gauges=signal_gauges(self.spikes, self.divergence),
+            guard_skipped_steps=self.guard.series() if self.guard is not None else ())
 
 
 def _folds(statistics: Sequence[Statistic], layers: int, windows: Mapping[str, int], group: Sequence[int],

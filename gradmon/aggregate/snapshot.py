@@ -95,6 +95,7 @@ class Snapshot:
     rank_nonfinite: Tuple[RankNonFinite, ...] = ()
     worst: Tuple[Worst, ...] = ()
     signal_gauges: Tuple[SignalGauge, ...] = ()
+    guard_skipped_steps: Tuple[Tuple[str, int], ...] = ()  # (reason, steps); empty without a guard
 
     @property
     def global_norm(self) -> Optional[float]:

@@ -5,17 +5,12 @@ one step; a counter incremented here, on the publisher thread, from every step's
 values, does not (``increase()`` over any window). Nothing here runs on the training
 thread or touches a tensor.
 
-The score is one-sided and robust (after OLMo-core's stability monitor): against the
-last ``window`` accepted values, with a robust linear trend removed so that a loss that
-falls steadily or a norm that rises steadily is not a spike,
-
-    score = max(0, (y - trend(t)) / max(1.4826 * MAD(residuals), floor))
-
-where ``y`` is ln(value) (a ratio is what matters for a norm or a positive loss) and the
-trend is the line through the medians of the window's two halves, anchored at the median
-residual. A step is a spike when its score is above the threshold *and* its value is
-above twice the window's median (in log units: ln 2 above the median of the logs), so a
-very quiet series cannot turn a 10 % wobble into a spike.
+The score is one-sided and robust (after OLMo-core's stability monitor), defined once in
+``gradmon.robust`` (the step guard scores with it on the device, before the step): against
+the last ``window`` accepted values, with a robust linear trend removed, of ``y`` = ln(value)
+(a ratio is what matters for a norm or a positive loss). A step is a spike when its score
+is above the threshold *and* its value is above twice the window's median (in log units: ln 2
+above the median of the logs), so a very quiet series cannot turn a 10 % wobble into a spike.
 """
 
 from __future__ import annotations
@@ -23,17 +18,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from statistics import median
 from typing import Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
-MAD_TO_SIGMA = 1.4826
-"""MAD times this estimates a normal distribution's standard deviation."""
+import torch
 
-LOG_FLOOR = 0.05
-"""Smallest scale, in ln units (5 %): a series quieter than this (a loss on a memorized
-batch, a norm of a frozen model) would otherwise score noise as a spike."""
+from .. import robust
+from ..robust import LOG_FLOOR, MAD_TO_SIGMA, lr_jumped
 
-LN2 = math.log(2.0)
+__all__ = ["LOG_FLOOR", "MAD_TO_SIGMA", "LayerBaselines", "SpikeDetector", "SpikeTracker", "Verdict", "lr_jumped"]
 
 
 class Verdict(NamedTuple):
@@ -87,17 +79,10 @@ class SpikeDetector:
         return verdict
 
     def _score(self, y: float) -> Verdict:
-        ys = list(self._values)
-        n, half = len(ys), len(ys) // 2
-        # the halves' middle steps are n - half apart
-        slope = (median(ys[-half:]) - median(ys[:half])) / (n - half)
-        residuals = [v - slope * i for i, v in enumerate(ys)]
-        level = median(residuals)
-        scale = max(MAD_TO_SIGMA * median([abs(r - level) for r in residuals]), self.floor)
-        score = max(0.0, (y - (level + slope * n)) / scale)  # this step is step n of the window
-        mid = median(ys)
-        above = y - mid > (LN2 if self.log_scale else abs(mid))
-        return Verdict(score, score > self.threshold and above)
+        score, above = robust.score(torch.tensor(self._values, dtype=torch.float64),
+                                    torch.tensor(y, dtype=torch.float64), self.floor, self.log_scale)
+        value = score.item()  # a CPU tensor of host values: nothing to wait for
+        return Verdict(value, value > self.threshold and bool(above))
 
 
 class LayerBaselines:
@@ -144,17 +129,6 @@ class LayerBaselines:
         state[1] = mean + rate * (clipped - mean)
         state[2] = dev + rate * (abs(clipped - mean) - dev)
         return verdict
-
-
-def lr_jumped(prev: float, cur: float) -> bool:
-    """A learning rate that changed by more than a factor 2 in one step, or left or
-    reached 0: the series' baseline moves with it. A linear warm-up from 0 changes by 2x
-    only at its first steps, before the window scores anything."""
-    if prev == cur:
-        return False
-    if prev <= 0 or cur <= 0:
-        return True
-    return max(prev, cur) > 2 * min(prev, cur)
 
 
 class SpikeTracker:

@@ -90,6 +90,22 @@ def loss_scale_collapse(th: Thresholds, t: Timing) -> Alert:
         t.amp_for)
 
 
+def guard_alerts(th: Thresholds, t: Timing) -> List[Alert]:
+    """The step guard (``guard=``) skipped steps: one is a warning, a run of them pages."""
+    window = dur(t.guard_window)
+    skipped = f"sum by ({TARGET}, reason) (increase({sample(M.GUARD_SKIPPED_STEPS)}[{window}]))"
+    return [
+        Alert("GradmonGuardSkippedStep", "warning", "Optimizer step skipped by the guard",
+              f"The step guard skipped {{{{ $value | humanize }}}} optimizer step(s) for {{{{ $labels.reason }}}} "
+              f"in the last {window} ({WHERE}): the update was not applied; the batch is in exclude.jsonl.",
+              f"{skipped} > 0", 0),
+        Alert("GradmonGuardSkipping", "critical", "The guard keeps skipping steps",
+              f"The step guard skipped {{{{ $value | humanize }}}} optimizer steps for {{{{ $labels.reason }}}} in "
+              f"the last {window} ({WHERE}): more than bad batches; past guard_max_skips in a row the run fails.",
+              f"{skipped} >= {th.guard_skip_run:d}", 0),
+    ]
+
+
 def rank_divergence(th: Thresholds, t: Timing) -> Alert:
     return Alert(
         "GradmonRankDivergence", "warning", "One rank's local gradient diverges",

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import metrics as M
 from ..thresholds import PRODUCTION, Thresholds, Timing, dur
 from .alert import Alert, past_warmup
-from .health import activation_blowup, loss_scale_collapse, nonfinite, norm_alerts, rank_divergence
+from .health import activation_blowup, guard_alerts, loss_scale_collapse, nonfinite, norm_alerts, rank_divergence
 from .liveness import liveness_alerts
 from .names import (LOCAL_GLOBAL_NORM, REC_GLOBAL_BASELINE, REC_GLOBAL_POST_WARMUP, REC_LAYER_BASELINE,
                     REC_LAYER_POST_WARMUP, REC_LOCAL_MEDIAN, REC_LOCAL_MIN, REC_LOCAL_RANKS, REC_STEPS_RATE,
@@ -38,6 +38,7 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
         activation_blowup(th, t),
         *liveness_alerts(th, t),
         loss_scale_collapse(th, t),
+        *guard_alerts(th, t),
         rank_divergence(th, t),
         *signal_alerts(th, t),
     ]
@@ -55,6 +56,7 @@ INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     # a diverged loss is the page; its spikes are how it got there
     ("GradmonLossDiverging", ("GradmonLossSpike", "GradmonLossSpikeSevere")),
     ("GradmonGradNormSpikeSevere", ("GradmonGradNormSpike",)),
+    ("GradmonGuardSkipping", ("GradmonGuardSkippedStep",)),
     ("GradmonGradNormJumpSevere", ("GradmonGradNormJump",)),
     # a dead exporter explains why no step is seen
     ("GradmonExporterDown", ("GradmonTrainingStalled",)),

@@ -54,6 +54,7 @@ from .packet import GlobalStepUpdate, StepPacket
 from .params import ParamSlots
 from .passes import BackwardPasses, graph_task_id
 from .records import KEEP_SCRATCH_EVERY, StepRecords
+from .stepguard import StepGuard, StepSignals
 from .traced import TracedSlots
 from .values import StepValues
 
@@ -74,7 +75,7 @@ class Recorder:
 
     def __init__(self, layers: Sequence[Layer], cfg: Config, errors: ErrorLog,
                  publish: Callable[[object], None], statistics: Sequence[Statistic] = (S.GRAD,),
-                 flat_units: Sequence[sharded.FlatUnit] = ()) -> None:
+                 flat_units: Sequence[sharded.FlatUnit] = (), step_guard: Optional[StepGuard] = None) -> None:
         self.cfg = cfg
         self.statistics = tuple(statistics)
         self._at: Dict[str, Tuple[Statistic, ...]] = {
@@ -96,8 +97,10 @@ class Recorder:
         self._active = True
         self._guard = Guards(errors)
         self._forward_warned = False
+        self.step_guard = step_guard  # guard=: skips a bad optimizer step (StepGuard), None when off
         self.steps = 0
         self.step_offset = 0
+        self._signals = StepSignals(self._at[S.PARAM_GRAD], self._values, self._grads.sharded, self.current_params)
         self._rec = StepRecords(self.statistics, tuple(layer.name for layer in layers), errors,
                                 keep_scratch=cfg.detail_every <= KEEP_SCRATCH_EVERY)
         self.forward = Forward(self.statistics, self._rec, self._guard, errors,
@@ -218,6 +221,8 @@ class Recorder:
         self._params_now = params = self.current_params()
         self._values.drop(self._at[S.PARAM_GRAD])
         self._values.add(self._grads.measure(params))
+        if self.step_guard is not None:
+            self.step_guard.measured(self._signals)
 
     # -- observed values -------------------------------------------------------------
 
@@ -257,9 +262,22 @@ class Recorder:
                 self._measure_grads()
                 if self._values.batched:
                     self._params.measured_unseen()
+        if self.step_guard is not None:
+            self._guard_step(opt)
+
+    def _guard_step(self, opt: torch.optim.Optimizer) -> None:
+        """The step guard's decision, applied to ``opt`` before it steps. Its collective
+        runs on every rank whatever failed before; ``GuardPersisted`` is the one exception
+        gradmon raises into training, and only when asked to (``guard_on_persist``)."""
+        guard = self.step_guard
+        with self._guard("step"):
+            guard.before_step(opt, self._signals)
+        guard.raise_if_persisted()
 
     def on_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
+            if self.step_guard is not None and self._active and self._owners.owns(opt):
+                self.step_guard.after_step(opt)  # before anything reads the optimizer's flag or gradients
             if not self._active or not self._owners.owns(opt) or not self._step.measured:
                 return
             gs = optimizer.step_count(opt)
@@ -281,6 +299,8 @@ class Recorder:
         if self._at[S.WEIGHT]:
             with self._guard("step"):
                 self._values.add(self._grads.measure_weights(self.current_params()))
+        if self.step_guard is not None and self.step_guard.skipped_on_host:
+            return  # a step the guard skipped did nothing to read
         with self._guard("step"):
             if self._at[S.OPTIMIZER]:
                 self._values.add(self._reads.rows(opt, self.current_params(), self.sharded, self._at[S.OPTIMIZER]))
@@ -337,8 +357,11 @@ class Recorder:
                 self._check_forward_hooks_ran(index)
                 # what a forward or backward that did not complete recorded is not this step's
                 self._rec.drop_pending()
+                scalars = self._values.scalars(self._values.scale)
+                if self.step_guard is not None:
+                    scalars += self.step_guard.scalars()
                 packet = writer.write(packet, self.statistics, self._rec.by_name, self._values.batched,
-                                      self._values.scale, self._values.scalars(self._values.scale), self.errors,
+                                      self._values.scale, scalars, self.errors,
                                       sampled=packet.index % self.cfg.every == 0, detail=self.detail_now)
             except Exception as exc:
                 self.errors.record("step", exc)

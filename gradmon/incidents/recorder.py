@@ -230,12 +230,16 @@ class BlackBox:
                     self.facts.model, kind, incident.step, path, path)
         return path
 
+    def batch_ids(self, step: int) -> Optional[List[Any]]:
+        """The sample ids ``observe(batch=...)`` gave for ``step``, if it is still kept and had any."""
+        at = next((s for s in reversed(self._ring) if s.step == step), None)
+        return _ids(at.batch) if at is not None else None
+
     def _content(self, incident: Any, kind: str, here: bool, full: bool
                  ) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
         facts = self.facts
         steps = list(self._ring) if full else []
-        at = next((s for s in reversed(self._ring) if s.step == incident.step), None)
-        ids = _ids(at.batch) if at is not None else None
+        ids = self.batch_ids(incident.step)
         origin = next((s for s in reversed(self._ring) if s.step == (incident.origin_step or incident.step)), None)
         arrays, history = _history(steps, facts)
         arrays.update(_rng_arrays())

@@ -127,6 +127,8 @@ def add_view(fam: _Families, view: ExportView) -> None:
     for spec, pairs in ((M.SPIKE_SCORE, s.spike_scores), (M.SPIKE_STEPS, s.spike_steps)):
         for signal, value in pairs:
             fam.add(spec, _with(base, signal=signal), value)
+    for reason, count in s.guard_skipped_steps:
+        fam.add(M.GUARD_SKIPPED_STEPS, _with(base, reason=reason), count)
     for spec, signal, value in s.signal_gauges:
         fam.add(spec, _with(base, signal=signal), value)
     for tensor, layer, step in s.nonfinite_origin:

@@ -1,0 +1,314 @@
+"""The step guard (``guard=``, issue 29): a bad optimizer step is skipped bit for bit, on
+every rank alike, counted, listed in exclude.jsonl, and given up on after guard_max_skips."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from prometheus_client import CollectorRegistry, generate_latest
+from torch import nn
+
+import gradmon
+import guard_worker
+from gradmon import metrics as M
+from servers import free_port
+from test_no_host_sync import RaiseOnSync
+
+NAN_STEP = 40
+ROOT = Path(__file__).resolve().parents[1]
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01, fused=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, fused=True),
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(step: int, bad_steps=()) -> torch.Tensor:
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+    if step in bad_steps:
+        x[3, 2] = float("nan")
+    return x
+
+
+def _state(opt: torch.optim.Optimizer) -> list:
+    """Every tensor and number of the optimizer's state, copied."""
+    return [(k, v.clone() if isinstance(v, torch.Tensor) else v)
+            for p in opt.state.values() for k, v in sorted(p.items())]
+
+
+def _equal(a, b) -> bool:
+    return len(a) == len(b) and all(
+        ka == kb and (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb) for (ka, va), (kb, vb) in zip(a, b))
+
+
+def _train(model, opt, mon, steps, bad_steps=(), at=None, ids=False, spike_steps=()):
+    """``steps`` steps; returns (parameters, optimizer state) just before step ``at`` and just
+    after it. A step of ``spike_steps`` has a batch whose loss is 50 times the others'."""
+    seen = {}
+    for step in range(steps):
+        if step == at:
+            seen["before"] = ([p.detach().clone() for p in model.parameters()], _state(opt))
+        if ids:
+            mon.observe(batch=[10 * step, 10 * step + 1])
+        loss = model(_batch(step, bad_steps)).pow(2).mean() * (50.0 if step in spike_steps else 1.0)
+        loss.backward()
+        mon.observe(loss=loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == at:
+            seen["after"] = ([p.detach().clone() for p in model.parameters()], _state(opt))
+    return seen
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_nan_step_is_skipped_bit_for_bit_and_training_goes_on(kind, tmp_path):
+    model = _model()
+    opt = OPTIMIZERS[kind](model.parameters())
+    with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
+                        incident_dir=str(tmp_path), name=f"guard-{kind}") as mon:
+        seen = _train(model, opt, mon, 50, bad_steps=(NAN_STEP,), at=NAN_STEP)
+        assert mon.flush()
+        snap = mon.snapshot()
+        errors = sum(mon._errors.counts().values())
+    params_before, state_before = seen["before"]
+    params_after, state_after = seen["after"]
+    assert all(torch.equal(a, b) for a, b in zip(params_before, params_after))
+    assert _equal(state_before, state_after)
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the later steps applied, finite
+    assert dict(snap.guard_skipped_steps) == {M.GUARD_NONFINITE: 1}
+    assert snap.nonfinite_steps == 1 and errors == 0
+    lines = [json.loads(line) for line in (tmp_path / "exclude.jsonl").read_text().splitlines()]
+    assert [(line["reason"], line["rank"]) for line in lines] == [(M.GUARD_NONFINITE, 0)]
+
+
+def test_without_the_guard_the_nan_step_is_applied(tmp_path):
+    """The same run with the guard off: the NaN reaches the parameters (the test above can fail)."""
+    model = _model()
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, incident_dir="") as mon:
+        _train(model, opt, mon, NAN_STEP + 1, bad_steps=(NAN_STEP,))
+        assert mon.flush()
+        assert mon.snapshot().guard_skipped_steps == ()
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_fused_optimizer_is_guarded_without_reading_the_device_and_others_with_one_read():
+    model = _model()
+    fused = OPTIMIZERS["adamw_fused"](model.parameters())
+    with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
+                        incident_dir="") as mon:
+        guard = mon._recorder.step_guard
+        with RaiseOnSync():
+            _train(model, fused, mon, 5, bad_steps=(3,))
+        assert guard.syncs == 0
+        plain = OPTIMIZERS["sgd"](model.parameters())
+        _train(model, plain, mon, 4, bad_steps=(2,))
+        assert guard.syncs == 4
+        assert mon.flush()
+        assert dict(mon.snapshot().guard_skipped_steps) == {M.GUARD_NONFINITE: 2}
+
+
+def test_the_skips_are_exported_by_reason_with_the_ids_of_the_skipped_batches(tmp_path):
+    model = _model()
+    opt = OPTIMIZERS["adam"](model.parameters())
+    registry = CollectorRegistry()
+    with gradmon.attach(model, registry=registry, guard="nonfinite", incident_dir=str(tmp_path),
+                        final_scrape_timeout=0) as mon:
+        _train(model, opt, mon, 12, bad_steps=(5, 9), ids=True)
+        assert mon.flush()
+        text = generate_latest(registry).decode()
+    assert 'gradmon_guard_skipped_steps_total{model="sequential",rank="0",reason="nonfinite"} 2.0' in text
+    lines = [json.loads(line) for line in (tmp_path / "exclude.jsonl").read_text().splitlines()]
+    assert [line["ids"] for line in lines] == [[50, 51], [90, 91]]
+    assert all(line["ids_known"] and line["model"] == "sequential" for line in lines)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_past_guard_max_skips_the_step_is_applied_and_the_run_fails(kind):
+    model = _model()
+    opt = OPTIMIZERS[kind](model.parameters())
+    with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
+                        guard_max_skips=3, incident_dir="", name=f"persist-{kind}") as mon:
+        _train(model, opt, mon, 10, bad_steps=range(4, 10))
+        assert mon.flush()
+        assert dict(mon.snapshot().guard_skipped_steps) == {M.GUARD_NONFINITE: 3}
+        assert (mon._run_state, mon._failure) == (M.STATE_FAILED, "GuardPersisted")
+    assert not all(torch.isfinite(p).all() for p in model.parameters())  # the 4th bad step went through
+    assert (mon._run_state, mon._failure) == (M.STATE_FAILED, "GuardPersisted")  # the end keeps it failed
+
+
+def test_guard_on_persist_raise_stops_the_bad_step_from_optimizer_step():
+    model = _model()
+    opt = OPTIMIZERS["adam"](model.parameters())
+    with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
+                        guard_max_skips=2, guard_on_persist="raise", incident_dir="") as mon:
+        with pytest.raises(gradmon.GuardPersisted, match="guard_max_skips=2"):
+            _train(model, opt, mon, 10, bad_steps=range(4, 10))
+        before = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.isfinite(p).all() for p in before)
+
+
+def test_the_gradscalers_own_overflow_skip_is_not_a_guard_skip():
+    """A fused optimizer under a GradScaler: the scaler's flag wins and is counted as its
+    skip; the guard counts nothing and its run of bad steps does not grow."""
+    model = _model()
+    opt = OPTIMIZERS["adamw_fused"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
+                        guard_max_skips=1, scaler=scaler, incident_dir="") as mon:
+        for step in range(8):
+            scaler.scale(model(_batch(step, bad_steps=(3, 4))).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        assert mon.flush()
+        snap = mon.snapshot()
+    assert snap.amp_skipped_steps == 2
+    assert dict(snap.guard_skipped_steps) == {M.GUARD_NONFINITE: 0}
+    assert mon._run_state != M.STATE_FAILED
+    assert not hasattr(opt, "found_inf")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(guard="nan"), "guard"), (dict(guard="nonfinite", guard_max_skips=0), "guard_max_skips"),
+    (dict(guard="nonfinite", guard_on_persist="stop"), "guard_on_persist")])
+def test_bad_guard_options_are_refused_at_attach(options, message):
+    with pytest.raises(ValueError, match=message):
+        gradmon.attach(_model(), port=0, **options)
+
+
+def test_gradmon_guard_turns_the_guard_on_from_the_environment(monkeypatch):
+    monkeypatch.setenv("GRADMON_GUARD", "nonfinite")
+    from gradmon.config import resolve
+    assert resolve({}).guard == "nonfinite"
+    monkeypatch.setenv("GRADMON_GUARD", "bogus")
+    with pytest.raises(ValueError, match="GRADMON_GUARD=bogus"):
+        resolve({})
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    work = tmp_path_factory.mktemp("guard-ddp")
+    mp.start_processes(guard_worker.run, args=(2, str(work), free_port()), nprocs=2, join=True, start_method="spawn")
+    return [json.loads((work / f"guard.{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "local"])
+def test_a_nan_in_one_ranks_batch_is_skipped_by_every_rank(two_ranks, kind):
+    runs = [ranks[kind] for ranks in two_ranks]
+    for run in runs:
+        assert run["before"] == run["at"]  # step 40 changed nothing, on either rank
+        assert run["skipped"] == {M.GUARD_NONFINITE: 1} and run["errors"] == 0
+        assert all(math.isfinite(x) for p in run["after"] for x in torch.tensor(p).flatten().tolist())
+    if kind == "ddp":
+        assert runs[0]["after"] == runs[1]["after"]  # the replicas are still identical
+
+
+
+SPIKE_STEP = 45
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_a_50x_loss_spike_batch_is_skipped_with_spike_and_counted_by_the_pages_too(kind):
+    model = _model()
+    opt = OPTIMIZERS[kind](model.parameters())
+    with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite,spike",
+                        spike_window=32, spike_min_steps=32, incident_dir="", name=f"spike-{kind}") as mon:
+        seen = _train(model, opt, mon, 50, at=SPIKE_STEP, spike_steps=(SPIKE_STEP,))
+        assert mon.flush()
+        snap = mon.snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(seen["before"][0], seen["after"][0]))
+    assert _equal(seen["before"][1], seen["after"][1])
+    assert dict(snap.guard_skipped_steps) == {M.GUARD_NONFINITE: 0, M.GUARD_SPIKE: 1}
+    assert dict(snap.spike_steps)[M.SIGNAL_LOSS] == 1  # the same score, on the publisher, for the pages
+
+
+def test_a_spike_skip_under_a_gradscaler_leaves_the_loss_scale_alone():
+    model = _model()
+    opt = OPTIMIZERS["adamw_fused"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="spike", spike_window=32,
+                        spike_min_steps=32, scaler=scaler, incident_dir="") as mon:
+        for step in range(40):
+            loss = model(_batch(step)).pow(2).mean() * (50.0 if step == 36 else 1.0)
+            mon.observe(loss=loss)
+            scaler.scale(loss).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            if step == 36:
+                assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert mon.flush()
+        snap = mon.snapshot()
+    assert dict(snap.guard_skipped_steps) == {M.GUARD_SPIKE: 1}
+    assert snap.amp_skipped_steps == 0 and scaler.get_scale() == 2.0 ** 10
+
+
+HEALTHY_TUNE = ["cnn-healthy-nowarmup-s0", "cnn-healthy-warmup-s0", "cnn-healthy-warmup-s1", "lm-healthy-nowarmup-s0",
+                "lm-healthy-nowarmup-s1", "lm-healthy-warmup-lr3e-3-s0", "lm-healthy-warmup-s0", "lm-healthy-warmup-s1"]
+
+
+def _healthy_series(name):
+    """A recorded healthy run's loss and global gradient norm, step by step, as the guard scores them."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench" / "instability"))
+    import corpus_files as files
+    import inprocess
+    from gradmon import statistics as S
+    from gradmon.capture.stepguard import global_norm
+
+    rec = files.load(name)
+    assert files.manifest()["runs"][name]["split"] == "tune"
+    packets = inprocess.Packets(rec)
+    norms = []
+    for i in range(len(packets)):
+        packet = packets.packet(i)
+        for stat, _, rows in (S.read(packet.data.tolist(), packet.sections) if packet.data is not None else ()):
+            if stat is S.GRAD:
+                norms.append(global_norm(torch.tensor(rows, dtype=torch.float64), None))
+    return {M.SIGNAL_LOSS: torch.tensor(rec["loss"], dtype=torch.float64), M.SIGNAL_GRAD_NORM: torch.stack(norms)}
+
+
+@pytest.mark.parametrize("name", HEALTHY_TUNE)
+def test_the_guards_spike_score_skips_nothing_in_the_healthy_runs_of_the_alert_corpus(name):
+    """Every step of each healthy tune-split run scored against its 128 steps before, as the
+    device scores it at the defaults (guard_spike_z 6, spike_window 128): none is a spike."""
+    from gradmon import robust
+    for signal, values in _healthy_series(name).items():
+        assert len(values) >= 1900 and bool(torch.isfinite(values).all() and (values > 0).all())
+        logs = values.log()
+        windows = logs.unfold(0, 128, 1)[:-1]  # the window before each step from step 128 on
+        score, above = robust.score(windows, logs[128:])
+        spikes = ((score > 6.0) & above).nonzero().flatten() + 128
+        assert spikes.tolist() == [], (signal, score.max().item())
+
+
+def test_the_device_window_and_the_pages_detector_give_the_same_verdicts():
+    """One definition: the guard's window on the device (SpikeWindow) and the publisher's
+    detector score a recorded run's loss alike, step by step, once the window is full."""
+    from gradmon.aggregate.spikes import SpikeDetector
+    from gradmon.capture.stepguard import SpikeWindow
+
+    loss = _healthy_series("lm-healthy-nowarmup-s0")[M.SIGNAL_LOSS][:220].clone()
+    loss[150] *= 50  # one spike among them, for both to find
+    window, detector = SpikeWindow(64, 6.0), SpikeDetector(64, 64, 6.0)
+    device = [bool(window.push(v)) for v in loss]
+    host = [bool(v is not None and v.spike) for v in map(detector.update, loss.tolist())]
+    assert device == host and device.count(True) == 1 and device[150]
