@@ -21,7 +21,7 @@ from . import statistics as S
 from .aggregate import Aggregator, NonFiniteIncident
 from .aggregate.divergence import DivergenceSettings, DivergenceWatch
 from .aggregate.history import History
-from .aggregate.skips import ExcludeList, GuardSkips, OnPersist
+from .aggregate.skips import KIND_GUARD, ExcludeList, GuardSkips, OnPersist
 from .aggregate.spikes import SpikeTracker
 from .capture import sharded
 from .capture.hooks import Recorder
@@ -90,8 +90,11 @@ def wire(model: nn.Module, inner: nn.Module, cfg: Config, name: str, rank: RankI
                                                   recorder, inner)
     if guarded:
         exclude = ExcludeList(black_box.directory, name, rank.rank, errors) if black_box is not None else None
-        aggregator.guard = GuardSkips(sorted(guarded), cfg.guard_max_skips, on_guard_persist, exclude,
-                                      black_box.batch_ids if black_box is not None else None)
+        aggregator.guard = GuardSkips(
+            sorted(guarded), cfg.guard_max_skips, on_guard_persist, exclude,
+            black_box.batch_ids if black_box is not None else None,
+            (lambda step, why: black_box.write(incidents.Moment(step), KIND_GUARD, {"guard": why}))
+            if black_box is not None else None)
     return Wiring(layers, blocks, units, recorder, aggregator, history, black_box, reduced_per_layer, per_layer)
 
 

@@ -225,11 +225,11 @@ SPIKE_STEP = 45
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
-def test_a_50x_loss_spike_batch_is_skipped_with_spike_and_counted_by_the_pages_too(kind):
+def test_a_50x_loss_spike_batch_is_skipped_with_spike_and_counted_by_the_pages_too(kind, tmp_path):
     model = _model()
     opt = OPTIMIZERS[kind](model.parameters())
     with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite,spike",
-                        spike_window=32, spike_min_steps=32, incident_dir="", name=f"spike-{kind}") as mon:
+                        spike_window=32, spike_min_steps=32, incident_dir=str(tmp_path), name=f"spike-{kind}") as mon:
         seen = _train(model, opt, mon, 50, at=SPIKE_STEP, spike_steps=(SPIKE_STEP,))
         assert mon.flush()
         snap = mon.snapshot()
@@ -237,6 +237,10 @@ def test_a_50x_loss_spike_batch_is_skipped_with_spike_and_counted_by_the_pages_t
     assert _equal(seen["before"][1], seen["after"][1])
     assert dict(snap.guard_skipped_steps) == {M.GUARD_NONFINITE: 0, M.GUARD_SPIKE: 1}
     assert dict(snap.spike_steps)[M.SIGNAL_LOSS] == 1  # the same score, on the publisher, for the pages
+    from gradmon.incidents import bundle
+    bundles = sorted(tmp_path.glob("gradmon-incident-*.npz"))
+    assert len(bundles) == 1  # the first skip's
+    assert bundle.load(str(bundles[0])).meta["kind"] == "guard"
 
 
 def test_a_spike_skip_under_a_gradscaler_leaves_the_loss_scale_alone():

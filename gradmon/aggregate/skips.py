@@ -22,6 +22,9 @@ log = logging.getLogger("gradmon")
 EXCLUDE_FILE = "exclude.jsonl"
 """The file in ``incident_dir`` where each skipped step's batch is listed, one JSON object a line."""
 
+KIND_GUARD = "guard"
+"""The ``kind`` of the incident bundle written at the guard's first skip (``gradmon incident`` reads it)."""
+
 OnPersist = Callable[[str, int, int], None]
 """Called with (the last reason, the run of bad steps, the global step) when the guard gives up."""
 
@@ -51,8 +54,10 @@ class GuardSkips:
     """The skips of one monitor's guard and its run of bad steps."""
 
     def __init__(self, reasons: Sequence[str], max_skips: int, on_persist: Optional[OnPersist] = None,
-                 exclude: Optional[ExcludeList] = None, ids: Optional[Callable[[int], Optional[List[Any]]]] = None
-                 ) -> None:
+                 exclude: Optional[ExcludeList] = None, ids: Optional[Callable[[int], Optional[List[Any]]]] = None,
+                 bundle: Optional[Callable[[int, str], None]] = None) -> None:
+        """``bundle(step, reason)`` writes the incident bundle of the first skip (a non-finite
+        step's own bundle, written first in the same fold, stands for it)."""
         self.skipped: Dict[str, int] = {reason: 0 for reason in reasons}
         self.max_skips = max_skips
         self.persisted = 0  # runs of bad steps the guard gave up on
@@ -60,6 +65,7 @@ class GuardSkips:
         self._on_persist = on_persist
         self._exclude = exclude
         self._ids = ids
+        self._bundle = bundle
         self._reason: Optional[str] = None  # the reason of the last skip of the current run
         self._gave_up = False  # the current run is past max_skips (said once)
 
@@ -71,6 +77,8 @@ class GuardSkips:
             self._reason = reason
             if self.first_skip is None:
                 self.first_skip = global_step
+                if self._bundle is not None:
+                    self._bundle(global_step, reason)
             if self._exclude is not None:
                 self._exclude.append(global_step, reason, self._ids(global_step) if self._ids is not None else None)
         if run == 0:

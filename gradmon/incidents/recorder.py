@@ -230,16 +230,20 @@ class BlackBox:
                     self.facts.model, kind, incident.step, path, path)
         return path
 
+    def _kept(self, step: int) -> Optional[Step]:
+        return next((s for s in reversed(self._ring) if s.step == step), None)
+
     def batch_ids(self, step: int) -> Optional[List[Any]]:
         """The sample ids ``observe(batch=...)`` gave for ``step``, if it is still kept and had any."""
-        at = next((s for s in reversed(self._ring) if s.step == step), None)
+        at = self._kept(step)
         return _ids(at.batch) if at is not None else None
 
     def _content(self, incident: Any, kind: str, here: bool, full: bool
                  ) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
         facts = self.facts
         steps = list(self._ring) if full else []
-        ids = self.batch_ids(incident.step)
+        at = self._kept(incident.step)
+        ids = _ids(at.batch) if at is not None else None
         origin = next((s for s in reversed(self._ring) if s.step == (incident.origin_step or incident.step)), None)
         arrays, history = _history(steps, facts)
         arrays.update(_rng_arrays())
