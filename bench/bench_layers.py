@@ -9,6 +9,8 @@ adds per layer is what a GPU job pays in CPU time before its kernels are launche
 * ``chain-N``: N top-level blocks of ``Linear(8, 8) + Tanh`` (N monitored layers, N blocks).
 * ``transformer-1000``: 166 pre-LN transformer blocks of width 16 (bench/transformer.py:
   six layers each) plus embeddings, final norm and head: 1,000 layers, 166 blocks.
+* ``gpt`` (not in the default list): bench_overhead.py's reference GPT and its step, so its
+  defaults' cost can be read on the threads' own clocks, one torch thread.
 
 Each model has an unmonitored twin built from the same seed; the two step in turn, one
 step each. Time is CPU time, each thread's own clock (``time.thread_time``, the publisher's
@@ -59,6 +61,10 @@ class TinyGPT(nn.Module):
 
 
 def make(name: str, seed: int = 0) -> Tuple[nn.Module, Callable[[], None]]:
+    if name == "gpt":  # bench_overhead.py's reference model and step (AdamW, clip_grad_norm_)
+        import bench_overhead
+        model, _, gpt_step = bench_overhead.make_training(seed)
+        return model, gpt_step
     torch.manual_seed(seed)
     if name.startswith("chain-"):
         model: nn.Module = chain(int(name.split("-")[1]))

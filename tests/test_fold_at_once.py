@@ -14,6 +14,7 @@ import torch
 
 from gradmon import statistics as S
 from gradmon.aggregate.aggregator import Aggregator
+from gradmon.aggregate import fold as fold_unit
 from gradmon.aggregate.fold import Folded
 
 
@@ -69,7 +70,15 @@ def test_a_step_folded_at_once_equals_its_records_folded_one_by_one(stat, record
             assert type(got[layer][-1]) is int and got[layer][-1] == want[layer][-1]
 
 
-def test_counts_and_origin_flags_of_a_step_folded_at_once_equal_a_fold_record_by_record():
+def test_a_small_section_is_folded_record_by_record_and_a_large_one_at_once():
+    f = Folded(S.GRAD, 4, {"norm_baseline": 8}, (0, 1, 2, 3))
+    assert not f.folds_at_once(fold_unit.AT_ONCE_MIN - 1)
+    assert f.folds_at_once(fold_unit.AT_ONCE_MIN)
+    assert not Folded(S.ACTIVATION_KURTOSIS, 4, {}, (0, 1, 2, 3)).folds_at_once(10 ** 6)  # MOMENTS: in order
+
+
+def test_counts_and_origin_flags_of_a_step_folded_at_once_equal_a_fold_record_by_record(monkeypatch):
+    monkeypatch.setattr(fold_unit, "AT_ONCE_MIN", 0)  # this step's few records folded at once too
     names = [f"l{i}" for i in range(6)]
     blocks = ["input", *names, "output"]
 

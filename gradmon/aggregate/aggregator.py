@@ -186,7 +186,7 @@ class Aggregator:
         (grouped) layer by its columns' declared rules; counts its NaN/Inf into the
         counters. True if any was non-finite."""
         stat = f.stat
-        if f.at_once:
+        if f.folds_at_once(len(section.keys)):
             acc, bad = self._accumulate_table(f, section, table)
         else:
             acc, bad = self._accumulate(f, section, table.tolist())

@@ -22,6 +22,11 @@ from ..statistics import LayerGauge, Statistic
 _NO_MOMENTS = (0.0,) * len(S.MOMENT_COLUMNS)  # an empty MOMENTS accumulator
 _PLANS = 8  # record layouts kept per statistic: a step's layout is nearly always the last one's
 
+AT_ONCE_MIN = 256
+"""Fewest records of a section folded all at once (:meth:`Folded.accumulate`): its dozen
+tensor operations cost a fixed time each, which a few hundred records folded one by one
+in Python cost less than (docs/benchmark.md)."""
+
 
 class Plan(NamedTuple):
     """Which (grouped) layer each record of a section stands for, worked out once per
@@ -69,6 +74,10 @@ class Folded:
         self.keeps = bool(stat.gauges or stat.total is not None or stat.coverage)
         self._rules = [(cols, rule) for cols, rule in ((self.peaks + self.highs, "amax"), (self.lows, "amin")) if cols]
         self._plans: Dict[Tuple[int, ...], Plan] = {}
+
+    def folds_at_once(self, records: int) -> bool:
+        """Whether a section of ``records`` records is folded all at once."""
+        return self.at_once and records >= AT_ONCE_MIN
 
     def plan(self, keys: Tuple[int, ...]) -> Plan:
         plan = self._plans.get(keys)
