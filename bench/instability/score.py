@@ -336,7 +336,9 @@ def score(names: Iterable[str], rates: Sequence[float], binary: str, jobs: int =
         check_recording(name, manifest[name])
         work.append(_Work(name, labels[name], manifest[name]["split"],
                           replay_steps(labels[name], manifest[name]["steps"])))
-    work.sort(key=lambda w: (w.steps, w.name))  # a batch's runs end together: none idles in a long promtool run
+    # a batch's runs end together (none idles in a long promtool run), and the longest go first:
+    # the last promtool runs, which may run alone, are then the short ones
+    work.sort(key=lambda w: (-w.steps, w.name))
     batch = 1 if slow else max(1, batch)
     batches = [work[i:i + batch] for i in range(0, len(work), batch)]
 
