@@ -166,29 +166,31 @@ class Climb:
         self.ratios.clear()
 
     def update(self, step: int, loss: float) -> None:
-        if len(self._recent) == self._recent.maxlen:
-            self._sum -= self._recent[0]
-        self._recent.append(loss)
+        recent, level = self._recent, self.level
+        full = len(recent) == recent.maxlen
+        if full:
+            self._sum -= recent[0]
+        recent.append(loss)
         self._sum += loss
-        level = self.level
-        if level is not None and len(self._recent) == self._recent.maxlen:
+        if level is None:
+            self.level, self._seen = loss, 1
+            return
+        if full or len(recent) == recent.maxlen:
             # hysteresis: a climb begins at ``ratio`` times the level and lasts while the mean
             # stays above halfway to it, so a noisy ramp is one climb, not several short ones
             bar = self._ratio if self.since is None else (1.0 + self._ratio) / 2
-            if level > 0 and self._sum / len(self._recent) >= bar * level:
+            if level > 0 and self._sum >= bar * level * len(recent):
                 if self.since is None:
                     self.since = step
                 self.ratios.append(loss / level)
-            else:
+            elif self.since is not None:
                 self.since = None
                 self.ratios.clear()
         self._seen += 1
         # the first losses average plainly: an exponential weight on one value is no level
-        rate = max(self._alpha, 1.0 / self._seen)
-        if level is None:
-            self.level = loss
-        else:
-            self.level = level + rate * ((min(loss, self._clip * level) if level > 0 else loss) - level)
+        rate = self._alpha if self._seen * self._alpha >= 1.0 else 1.0 / self._seen
+        clipped = self._clip * level
+        self.level = level + rate * ((clipped if 0 < clipped < loss else loss) - level)
 
     def top(self) -> float:
         """The climb's highest loss as a multiple of the level; 0 without a climb."""
