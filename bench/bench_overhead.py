@@ -2,6 +2,7 @@
 
     python bench/bench_overhead.py            # the README figures (20 rounds of 20 steps)
     python bench/bench_overhead.py --quick    # a smoke run
+    python bench/bench_overhead.py --compiled --variants gradmon_defaults   # the torch.compile pair
 
 Reference model (issue 2): 6 blocks, width 256, 4 heads, sequence 128, batch 8, vocab
 2048, AdamW, clip_grad_norm_(1.0), torch on 2 CPU threads.
@@ -109,17 +110,23 @@ VARIANTS = {
     "floor_foreach_norm": v_floor,
     "tutorial_hooks_item": v_tutorial,
 }
-TARGETS = {"gradmon_defaults": 1.03, "gradmon_all_every_step": 1.10}
+TARGETS = {"gradmon_defaults": 1.03, "gradmon_all_every_step": 1.10, "compiled_gradmon_defaults": 1.03}
+
+# With --compiled: the model compiled whole (torch.compile, Inductor, fullgraph), gradmon
+# attached before the first compiled call; its ratio is to the compiled unmonitored copy.
+COMPILED = {"compiled_baseline": v_baseline, "compiled_gradmon_defaults": _gradmon()}
+RATIO_TO = {"compiled_gradmon_defaults": "compiled_baseline"}
 
 
-def make_training(seed: int = 0, batch: int = 8, seq: int = 128, vocab: int = 2048):
+def make_training(seed: int = 0, batch: int = 8, seq: int = 128, vocab: int = 2048, compiled: bool = False):
     torch.manual_seed(seed)
     model = GPT(vocab=vocab, seq=seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.randint(0, vocab, (batch, seq + 1))
+    forward = torch.compile(model, fullgraph=True) if compiled else model
 
     def step() -> None:
-        logits = model(data[:, :-1])
+        logits = forward(data[:, :-1])
         F.cross_entropy(logits.reshape(-1, vocab), data[:, 1:].reshape(-1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -128,12 +135,18 @@ def make_training(seed: int = 0, batch: int = 8, seq: int = 128, vocab: int = 20
 
 
 def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict[str, Dict[str, float]]:
-    copies = {name: make_training() for name in names}  # the same seed: identical copies
-    for _, _, step in copies.values():
-        for _ in range(3):
-            step()  # allocator and kernels warm
+    # the same seed: identical copies
+    copies = {name: make_training(compiled=name in COMPILED) for name in names}
     states: Dict[str, dict] = {name: {} for name in names}
-    teardowns = {name: VARIANTS[name](model, opt, states[name]) for name, (model, opt, _) in copies.items()}
+    # A compiled model sees only the hooks there at its first call: attached before it, and
+    # compiled before its unmonitored twin, whose code (the same class, hooks unguarded)
+    # torch.compile would otherwise reuse for it (docs/integrations.md#torchcompile).
+    teardowns = {name: VARIANTS[name](*copies[name][:2], states[name]) for name in names if name in COMPILED}
+    for name in sorted(names, key=lambda n: n not in teardowns):
+        for _ in range(3):
+            copies[name][2]()  # allocator and kernels warm, compiled
+    teardowns.update({name: VARIANTS[name](*copies[name][:2], states[name]) for name in names
+                      if name not in COMPILED})
     # each monitor's own clock (time in its hooks), read before and after the timed rounds
     recorders = {name: getattr(st.get("monitor"), "_recorder", None) for name, st in states.items()}
 
@@ -161,7 +174,7 @@ def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict
                 times[name].append(dt)
             k += 1
         for name in names:
-            ratios[name].append(sums[name] / sums["baseline"])
+            ratios[name].append(sums[name] / sums[RATIO_TO.get(name, "baseline")])
     for name, teardown in teardowns.items():
         teardown()
     out = {}
@@ -234,6 +247,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--options", nargs="+", metavar="KEY=VALUE", default=[],
                    help="also measure gradmon attached with these options (variant gradmon_options), "
                         "e.g. --options detail_every=50 optimizer_every=0")
+    p.add_argument("--compiled", action="store_true",
+                   help="also measure the compiled pair (compiled_baseline, compiled_gradmon_defaults); "
+                        "Inductor compiles each copy first, which takes minutes on a CPU")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--quick", action="store_true", help="tiny run for a smoke test; figures meaningless")
     p.add_argument("--json", metavar="FILE")
@@ -242,6 +258,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.rounds, args.steps, args.discard, args.memory_steps = 1, 2, 1, 2
     torch.set_num_threads(args.threads)
     names = ["baseline"] + (args.variants or [n for n in VARIANTS if n != "baseline"])
+    if args.compiled:
+        VARIANTS.update(COMPILED)
+        names += list(COMPILED)
     if args.options:
         VARIANTS["gradmon_options"] = _gradmon(**dict(_option(kv) for kv in args.options))
         names.append("gradmon_options")
@@ -250,7 +269,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     res = interleaved(names, args.rounds, args.steps, args.discard)
     for name in names:
         # a fresh process knows only the named variants
-        skip = args.no_memory or name == "gradmon_options"
+        skip = args.no_memory or name == "gradmon_options" or name in COMPILED
         res[name]["peak_rss_mb"] = math.nan if skip else peak_rss_mb(name, args.memory_steps)
     base_rss = res["baseline"]["peak_rss_mb"]
     print(f"{'variant':26s} {'step ms':>9s} {'ratio':>7s} {'ci95 hi':>8s} {'target':>7s} {'host us/step':>13s} "
@@ -262,6 +281,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         host = f"{r['host_us_per_step']:.0f}" if not math.isnan(r["host_us_per_step"]) else "-"
         print(f"{name:26s} {r['mean_step_ms']:9.1f} {r['ratio']:7.3f} {r['ratio_ci95_high']:8.3f} {target:>7s} {host:>13s} "
               f"{r['peak_rss_mb']:12.1f} {r['mem_ratio']:9.3f}")
+    for name, base in RATIO_TO.items():
+        if name in names:
+            print(f"({name}: its ratio is to {base})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

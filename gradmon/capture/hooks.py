@@ -380,19 +380,13 @@ class Recorder:
 
     def _check_forward_hooks_ran(self, index: int) -> None:
         """Say once when a backward measured the step's gradients but none of this
-        monitor's forward hooks ran: the model was compiled before ``attach()``, and
-        torch.compile does not see hooks added after its first call."""
+        monitor's forward hooks ran: compiled code without them ran the forward."""
         if self.forward.ran or self._step.measured_at_step or self._forward_warned:
             self.forward.ran = False
             return
         self._forward_warned = True
-        log.warning(
-            "gradmon: step %d had a backward but none of gradmon's forward hooks ran: the model was most likely "
-            "compiled (torch.compile) before attach(), and compiled code ignores hooks added after its first call "
-            "(torch._dynamo.config.skip_nnmodule_hook_guards). Gradient norms and non-finite counts are measured; "
-            "activations and the per-block NaN origin are not. Attach before the first compiled call, or call "
-            "torch._dynamo.reset() after attach() (every compiled function is compiled again, once). "
-            "See docs/integrations.md#torchcompile.", index)
+        log.warning("gradmon: step %d had a backward but none of gradmon's forward hooks ran. %s",
+                    index, traced.HOOKS_COMPILED_OUT)
 
     def _next_hooks(self) -> None:
         """The hooks the next step needs, and only those: per-parameter hooks while a

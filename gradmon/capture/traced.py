@@ -19,6 +19,7 @@ model's several forwards before a backward, keeps its last call's (docs/limits.m
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -29,6 +30,18 @@ from .. import statistics as S
 from ..statistics import Statistic
 from .layers import is_floating
 from .records import StepRecords, iter_tensors
+
+log = logging.getLogger("gradmon")
+
+HOOKS_COMPILED_OUT = (
+    "torch.compile does not guard on hooks (torch._dynamo.config.skip_nnmodule_hook_guards): the model was "
+    "compiled before attach(), or another instance of its class was compiled first without gradmon, and that "
+    "code runs without gradmon's hooks. Gradient norms and non-finite counts are measured; activations and the "
+    "per-block NaN origin are not. Attach before the first compiled call of any instance of the class, or call "
+    "torch._dynamo.reset() after attach() (every compiled function is compiled again, once), or set "
+    "torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling (hooks are then guarded). "
+    "See docs/integrations.md#torchcompile.")
+"""What to do when gradmon's hooks were compiled out of a model."""
 
 INPUT, BLOCK, LAYER, OUTPUT = "input", "block", "layer", "output"
 """Where a compiled hook ran: the root's pre-hook (its input), a top-level block, a
@@ -47,6 +60,7 @@ class TracedSlots:
         self._attr = {kind: f"_gradmon_{tag}_{kind}" for kind in self._stats}
         self._detail = {st.name: st.detail for st in statistics}
         self._slots: List[Tuple["weakref.ref[nn.Module]", str, int]] = []  # (module, its attribute, key)
+        self._told = False  # the warning that the layers' hooks were compiled out
 
     def watch(self, module: nn.Module, kind: str, key: int) -> None:
         """At attach: ``module``'s ``kind`` hook records under ``key``."""
@@ -65,17 +79,22 @@ class TracedSlots:
         like the eager hooks' own), the detail statistics' only on a detail step; each is
         taken once. Whether there was any. Records are folded in key order here; the
         origin is decided by key, not by arrival."""
-        filled = False
+        filled, layers = False, False
         for ref, attr, key in self._slots:
             module = ref()
             made = module.__dict__.pop(attr, None) if module is not None else None
             if made is None:
                 continue
             filled = True
+            layers = layers or attr == self._attr[LAYER]
             for numel, by_name in made:
                 for name, parts in by_name.items():
                     if detail or not self._detail[name]:
                         records.by_name[name].add(key, numel, parts)
+        if filled and not layers and self._stats[LAYER] and not self._told:
+            self._told = True
+            log.warning("gradmon: the compiled model ran gradmon's hooks on the root module but on none of its "
+                        "layers. %s", HOOKS_COMPILED_OUT)
         return filled
 
 
