@@ -142,7 +142,7 @@ def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict
     # compiled before its unmonitored twin, whose code (the same class, hooks unguarded)
     # torch.compile would otherwise reuse for it (docs/integrations.md#torchcompile).
     teardowns = {name: VARIANTS[name](*copies[name][:2], states[name]) for name in names if name in COMPILED}
-    for name in sorted(names, key=lambda n: n not in teardowns):
+    for name in sorted(names, key=lambda n: "monitor" not in states[n]):
         for _ in range(3):
             copies[name][2]()  # allocator and kernels warm, compiled
     teardowns.update({name: VARIANTS[name](*copies[name][:2], states[name]) for name in names

@@ -273,3 +273,47 @@ def test_host_values_reach_a_device_by_non_blocking_copies_only():
     with Record():
         t = stats.host_values([1.0, 2.0], torch.device("meta"), torch.float64)
     assert t.device.type == "meta" and t.dtype == torch.float64 and copies == [True]
+
+
+def train_compiled(device: str, backend: str, guard=contextlib.nullcontext) -> None:
+    """The model compiled whole (fullgraph) with gradmon attached. Inside the compiled
+    forward a host read would be a graph break, which fullgraph refuses (and dynamo runs
+    nothing under a dispatch mode such as RaiseOnSync); the compiled backward and the step,
+    where gradmon's host side takes the compiled hooks' records and closes the step, run
+    under RaiseOnSync (and ``guard``). On the CPU the ``eager`` backend is enough: the
+    hooks are traced by dynamo all the same, and it compiles in a second."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    torch._dynamo.reset()
+    try:
+        with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=2, origin_per_layer=True) as mon:
+            compiled = torch.compile(model, fullgraph=True, backend=backend)
+
+            def train(steps, check=contextlib.nullcontext):
+                for _ in range(steps):
+                    out = compiled(torch.randn(4, 6, device=device))
+                    with check():
+                        out.square().mean().backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            train(1)  # compiled
+            with torch._dynamo.config.patch(error_on_recompile=True), guard():
+                train(4, RaiseOnSync)
+            assert mon.flush()
+            snap = mon.snapshot()
+            errors = mon._errors.counts()
+    finally:
+        torch._dynamo.reset()
+    assert snap.steps_total == 5 and sum(errors.values()) == 0, errors
+    assert {"grad", "activation"} <= {f for fams in snap.coverage.values() for f in fams}
+
+
+def test_a_compiled_model_with_gradmon_never_syncs_on_cpu():
+    train_compiled("cpu", "eager")
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_a_compiled_model_with_gradmon_never_syncs_on_cuda_under_sync_debug_mode_error():
+    train_compiled("cuda", "inductor", cuda_sync_is_an_error)
