@@ -138,13 +138,11 @@ def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict
     # the same seed: identical copies
     copies = {name: make_training(compiled=name in COMPILED) for name in names}
     states: Dict[str, dict] = {name: {} for name in names}
-    # A compiled model sees only the hooks there at its first call: attached before it, and
-    # compiled before its unmonitored twin, whose code (the same class, hooks unguarded)
-    # torch.compile would otherwise reuse for it (docs/integrations.md#torchcompile).
+    # a compiled model sees only the hooks there at its first call: attached before it
     teardowns = {name: VARIANTS[name](*copies[name][:2], states[name]) for name in names if name in COMPILED}
-    for name in sorted(names, key=lambda n: "monitor" not in states[n]):
+    for _, _, step in copies.values():
         for _ in range(3):
-            copies[name][2]()  # allocator and kernels warm, compiled
+            step()  # allocator and kernels warm, compiled
     teardowns.update({name: VARIANTS[name](*copies[name][:2], states[name]) for name in names
                       if name not in COMPILED})
     # each monitor's own clock (time in its hooks), read before and after the timed rounds
@@ -259,6 +257,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     names = ["baseline"] + (args.variants or [n for n in VARIANTS if n != "baseline"])
     if args.compiled:
+        # torch.compile does not guard on hooks by default: the unmonitored copy's code
+        # would otherwise serve the monitored one (docs/integrations.md#torchcompile)
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
         VARIANTS.update(COMPILED)
         names += list(COMPILED)
     if args.options:

@@ -55,7 +55,7 @@ BLOCK = "block"
 (key 0), each of its direct children's outputs (keys 1..k, in registration order) and
 its own output (key k+1). ``record(tensor)`` returns one tensor per part; each call is
 a record. Cheap enough for every step, so that a NaN's origin is known on the step it
-happens; inert under torch.compile except for the root's inputs and output."""
+happens; under torch.compile recorded in the graph alike (``capture/traced.py``)."""
 
 LAYER = "layer"
 """Every training forward, detail step or not: a layer's output. ``record(output)``; each

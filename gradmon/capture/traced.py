@@ -35,11 +35,12 @@ log = logging.getLogger("gradmon")
 
 HOOKS_COMPILED_OUT = (
     "torch.compile does not guard on hooks (torch._dynamo.config.skip_nnmodule_hook_guards): the model was "
-    "compiled before attach(), or another instance of its class was compiled first without gradmon, and that "
-    "code runs without gradmon's hooks. Gradient norms and non-finite counts are measured; activations and the "
-    "per-block NaN origin are not. Attach before the first compiled call of any instance of the class, or call "
-    "torch._dynamo.reset() after attach() (every compiled function is compiled again, once), or set "
-    "torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling (hooks are then guarded). "
+    "compiled before attach(), or another instance of its class was compiled without gradmon (before or after "
+    "it), and that code runs without gradmon's hooks. Gradient norms and non-finite counts are measured; "
+    "activations and the per-block NaN origin are not. Attach before the first compiled call, and set "
+    "torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling where the process compiles "
+    "several instances of the class (hooks are then guarded); or call torch._dynamo.reset() after attach() "
+    "(every compiled function is compiled again, once). "
     "See docs/integrations.md#torchcompile.")
 """What to do when gradmon's hooks were compiled out of a model."""
 
