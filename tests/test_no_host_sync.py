@@ -300,7 +300,7 @@ def train_compiled(device: str, backend: str, guard=contextlib.nullcontext) -> N
             train(1)  # compiled
             with torch._dynamo.config.patch(error_on_recompile=True), guard():
                 train(4, RaiseOnSync)
-            assert mon.flush()
+            assert mon.flush(120)
             snap = mon.snapshot()
             errors = mon._errors.counts()
     finally:

@@ -380,9 +380,14 @@ class Recorder:
 
     def _check_forward_hooks_ran(self, index: int) -> None:
         """Say once when a backward measured the step's gradients but none of this
-        monitor's forward hooks ran: compiled code without them ran the forward."""
-        if self.forward.ran or self._step.measured_at_step or self._forward_warned:
-            self.forward.ran = False
+        monitor's forward hooks ran: compiled code without them ran the forward. Judged on
+        detail steps only, when every layer is hooked: a backward into monitored parameters
+        came through some layer's forward (an ordinary step may call a module below the
+        blocks, whose layers then have no hook)."""
+        forward = self.forward
+        if (forward.ran or self._step.measured_at_step or self._forward_warned or not forward.detail_now
+                or forward.layer_hooks is None):
+            forward.ran = False
             return
         self._forward_warned = True
         log.warning("gradmon: step %d had a backward but none of gradmon's forward hooks ran. %s",
