@@ -128,7 +128,7 @@ def record(run: corpus.Run, steps: Optional[int] = None, registry: Optional[Coll
     """Train ``run`` (its first ``steps`` steps) with gradmon attached to ``registry``; ``on_step``
     sees the monitor after each step (a test compares what gradmon exported live). ``cadence``:
     attach options beside the defaults (:data:`EVERY_STEP`: then the values are stored by
-    ``corpus_files.encode_columns``, which fits them in 0.5 MB)."""
+    ``corpus_files.encode_columns``)."""
     tap = Tap()
     monitors: List[gradmon.Monitor] = []
     options = {"final_scrape_timeout": 0, "name": run.family, **(cadence or {})}
