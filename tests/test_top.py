@@ -18,6 +18,7 @@ from gradmon import alerting
 from gradmon.clients import top
 from hostile_servers import RawServer, drip, exposition as hostile_exposition, redirect, respond
 from servers import free_port, running_demo
+from test_live_page import guard_steps
 
 
 class Terminal:
@@ -338,3 +339,25 @@ def test_a_screen_renders_only_the_models_that_fit():
     view.refresh()
     lines = top.render(view, width=100, height=30)
     assert len(lines) == 30 and "model m00000  rank 3" in lines[2]
+
+
+def test_top_in_a_real_terminal_shows_the_guards_skips_by_reason_and_the_latest_step():
+    m = tiny()
+    with gradmon.attach(m, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite", incident_dir="") as mon:
+        guard_steps(m, 9, bad_steps=(4, 7))
+        mon.flush()
+        term = Terminal(f"gradmon-top-guard-{mon.port}", f"{sys.executable} -m gradmon top {mon.port}")
+        try:
+            screen = term.until(lambda s: "model sequential" in s and "local checks" in s, timeout=30)
+            assert "steps skipped by the guard: 2 (nonfinite 2), latest at step 7: nonfinite" in screen, screen
+        finally:
+            term.close()
+
+
+def test_the_guards_line_is_absent_without_a_guard_and_escapes_what_the_endpoint_sent():
+    assert "skipped by the guard" not in frame(exposition("gradmon_steps_total 9"))
+    shown = frame(exposition("gradmon_steps_total 9", 'gradmon_guard_skipped_steps_total{reason="nonfinite"} 3',
+                             'gradmon_guard_skipped_steps_total{reason="x\x1b[2J"} 1',
+                             'gradmon_guard_last_skip_step{reason="x\x1b[2J"} 81234'))
+    assert "steps skipped by the guard: 4 (nonfinite 3, x\\x1b[2J 1), latest at step 81234: x\\x1b[2J" in shown
+    assert "\x1b" not in shown

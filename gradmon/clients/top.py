@@ -499,10 +499,22 @@ def _render_target(view: View, key: Tuple[str, str], chars: str) -> List[str]:
               for have, v in t.samples.get(M.NONFINITE_ORIGIN.name, ())]
     lines.append("non-finite elements: " + ("  ".join(f"{k} {_int(v)}" for k, v in sorted(counts.items())) or "-")
                  + (f"  (started in {'; '.join(origin)})" if origin else ""))
+    lines += _guard_line(t)
     shown = [norm, t.value(M.LOSS.name), *t.by_layer(M.GRAD_NORM.name).values()]
     seen = (bool(origin) or any(v != 0 for v in counts.values()) or _nonfinite_total(t) != 0
             or any(v is not None and not math.isfinite(v) for v in shown))
     return lines + _check_lines(t, readings, view.thresholds, seen)
+
+
+def _guard_line(t: Target) -> List[str]:
+    """The step guard's skips by reason and its latest skip; nothing without a guard."""
+    skipped = [(have.get("reason", ""), v) for have, v in t.samples.get(M.exposed_names(M.GUARD_SKIPPED_STEPS)[0], ())]
+    if not skipped:
+        return []
+    last = [(have.get("reason", ""), v) for have, v in t.samples.get(M.GUARD_LAST_SKIP_STEP.name, ())]
+    return [f"steps skipped by the guard: {_int(sum(v for _, v in skipped))} ("
+            + ", ".join(f"{reason} {_int(v)}" for reason, v in sorted(skipped)) + ")"
+            + "".join(f", latest at step {_int(v)}: {reason}" for reason, v in last[:1])]
 
 
 def _layer_table(norms: Dict[str, float]) -> List[str]:
