@@ -19,7 +19,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import gradmon
-from conftest import scrape
+from conftest import needs_cuda, scrape
 
 STEPS = 100
 
@@ -50,12 +50,14 @@ def family(samples, name, model):
             if n == name and dict(labels)["model"] == model}
 
 
-@pytest.fixture(scope="module")
-def runs():
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
+def runs(request):
     """One compiled and one eager monitor over twin models, the same batches, lr 0 (the
-    twins stay equal); then a NaN put in ``body``'s last weight of both, one more step."""
+    twins stay equal); then a NaN put in ``body``'s last weight of both, one more step.
+    On the CPU and, where there is one, on a CUDA device (Inductor's Triton kernels)."""
+    device = request.param
     torch._dynamo.reset()
-    compiled_model, eager_model = model(), model()
+    compiled_model, eager_model = model().to(device), model().to(device)
     options = dict(port=0, addr="127.0.0.1", final_scrape_timeout=0, detail_every=2, incident_dir="")
     mon_c = gradmon.attach(compiled_model, name="compiled", **options)
     mon_e = gradmon.attach(eager_model, name="eager", **options)
@@ -63,7 +65,7 @@ def runs():
     opt_c = torch.optim.SGD(compiled_model.parameters(), lr=0.0)
     opt_e = torch.optim.SGD(eager_model.parameters(), lr=0.0)
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(8, 6, generator=g) * (1 + i % 7) for i in range(STEPS)]
+    batches = [(torch.randn(8, 6, generator=g) * (1 + i % 7)).to(device) for i in range(STEPS)]
     counters.clear()
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):

@@ -17,6 +17,7 @@ import gradmon
 import guard_worker
 from gradmon import metrics as M
 from servers import free_port
+from conftest import needs_cuda
 from test_no_host_sync import RaiseOnSync
 
 NAN_STEP = 40
@@ -32,16 +33,16 @@ OPTIMIZERS = {
 }
 
 
-def _model() -> nn.Module:
+def _model(device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
 
 
-def _batch(step: int, bad_steps=()) -> torch.Tensor:
+def _batch(step: int, bad_steps=(), device: str = "cpu") -> torch.Tensor:
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
     if step in bad_steps:
         x[3, 2] = float("nan")
-    return x
+    return x.to(device)
 
 
 def _state(opt: torch.optim.Optimizer) -> list:
@@ -55,7 +56,7 @@ def _equal(a, b) -> bool:
         ka == kb and (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb) for (ka, va), (kb, vb) in zip(a, b))
 
 
-def _train(model, opt, mon, steps, bad_steps=(), at=None, ids=False, spike_steps=()):
+def _train(model, opt, mon, steps, bad_steps=(), at=None, ids=False, spike_steps=(), device="cpu"):
     """``steps`` steps; returns (parameters, optimizer state) just before step ``at`` and just
     after it. A step of ``spike_steps`` has a batch whose loss is 50 times the others'."""
     seen = {}
@@ -64,7 +65,7 @@ def _train(model, opt, mon, steps, bad_steps=(), at=None, ids=False, spike_steps
             seen["before"] = ([p.detach().clone() for p in model.parameters()], _state(opt))
         if ids:
             mon.observe(batch=[10 * step, 10 * step + 1])
-        loss = model(_batch(step, bad_steps)).pow(2).mean() * (50.0 if step in spike_steps else 1.0)
+        loss = model(_batch(step, bad_steps, device)).pow(2).mean() * (50.0 if step in spike_steps else 1.0)
         loss.backward()
         mon.observe(loss=loss)
         opt.step()
@@ -74,13 +75,14 @@ def _train(model, opt, mon, steps, bad_steps=(), at=None, ids=False, spike_steps
     return seen
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_a_nan_step_is_skipped_bit_for_bit_and_training_goes_on(kind, tmp_path):
-    model = _model()
+def test_a_nan_step_is_skipped_bit_for_bit_and_training_goes_on(kind, device, tmp_path):
+    model = _model(device)
     opt = OPTIMIZERS[kind](model.parameters())
     with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
                         incident_dir=str(tmp_path), name=f"guard-{kind}") as mon:
-        seen = _train(model, opt, mon, 50, bad_steps=(NAN_STEP,), at=NAN_STEP)
+        seen = _train(model, opt, mon, 50, bad_steps=(NAN_STEP,), at=NAN_STEP, device=device)
         assert mon.flush()
         snap = mon.snapshot()
         errors = sum(mon._errors.counts().values())
