@@ -23,8 +23,8 @@ part() {  # part NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "$out/$name.log"
 }
 nvidia-smi -L; $py -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, torch.cuda.get_device_name())'
-part tests 200 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_host_sync.py tests/test_stepguard.py tests/test_compile.py
+part tests 150 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_host_sync.py tests/test_stepguard.py tests/test_compile.py
 common=(--device cuda --size gpt2 --bf16 --fused)
-part overhead1 170 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead1.json"
-part launches 90 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled
-part overhead2 120 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead2.json"
+part overhead1 240 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead1.json"
+part launches 80 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled
+part overhead2 100 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead2.json"
