@@ -88,6 +88,8 @@ class StepGuard:
         self._hidden: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient) hidden for the step
         self._installed: Optional[Tuple[Any, Optional[torch.Tensor], torch.Tensor]] = None
         self.skipped_on_host = False  # the host read said: this step was skipped
+        self._deferred: Optional[torch.optim.Optimizer] = None  # stepping with a closure, its backward to come
+        self._deferred_measured = False  # ... and that backward has measured
         self.persisted = False  # the publisher saw a run past max_skips (a fused optimizer's, read nowhere else)
 
     # -- at each measurement -----------------------------------------------------------
@@ -99,6 +101,20 @@ class StepGuard:
         self.skipped_on_host = False
         bad = signals.nonfinite() if NONFINITE in self.wanted else None
         self._local = bad.float() * CODES[NONFINITE] if bad is not None else None  # a spike is scored at the step
+        self._deferred_measured = self._deferred is not None
+
+    def defer(self, opt: torch.optim.Optimizer) -> None:
+        """``opt.step(closure)``: the gradients to judge come from the closure's backward,
+        inside the step; the decision waits for it (the recorder calls :meth:`before_step`
+        when it has measured, before the optimizer updates anything)."""
+        self._deferred, self._deferred_measured = opt, False
+
+    def deferred_measured(self) -> bool:
+        return self._deferred is not None and self._deferred_measured
+
+    def take_deferred(self) -> Optional[torch.optim.Optimizer]:
+        opt, self._deferred, self._deferred_measured = self._deferred, None, False
+        return opt
 
     # -- at the optimizer's step ---------------------------------------------------------
 
@@ -271,6 +287,13 @@ class StepSignals:
             if p is not None:
                 return sharded.local(p).device
         return torch.device("cpu")
+
+
+def stepped_with_closure(opt: torch.optim.Optimizer, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """An optimizer step's pre-hook arguments (``args`` begin with the optimizer itself)
+    hold a closure: ``step(closure)`` or ``step(closure=...)``."""
+    positional = args[1:] if args and args[0] is opt else args
+    return callable(kwargs.get("closure", positional[0] if positional else None))
 
 
 def global_norm(rows: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
