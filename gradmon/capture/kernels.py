@@ -391,6 +391,8 @@ def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool) -> to
     return torch.stack([_l2(g) for g in group])
 
 
+# Every segment_reduce here passes unsafe=True: the checked form validates the lengths
+# with .item(), a host sync on CUDA, and gradmon builds its lengths itself.
 def _flat(group: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(one 1-D copy of every tensor of ``group``, in order; their lengths on its device).
     One C++ call however many tensors: no Python and no kernel dispatch per tensor."""
@@ -409,7 +411,7 @@ def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
     overflow as :func:`_l2` and vector_norm do (a finite norm proves a tensor finite, and
     a float32 norm past float32's range is Inf whichever path took it), summed in float64."""
     flat, lengths = _flat(group)
-    return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths).sqrt_()
+    return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
 
 
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
@@ -443,8 +445,8 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
             if any(split):
                 lo, hi = _by_rows(flat, group, split, batch, idx, rows)  # type: ignore[arg-type]
             else:
-                lo = torch.segment_reduce(flat, "min", lengths=lengths)
-                hi = torch.segment_reduce(flat, "max", lengths=lengths)
+                lo = torch.segment_reduce(flat, "min", lengths=lengths, unsafe=True)
+                hi = torch.segment_reduce(flat, "max", lengths=lengths, unsafe=True)
         else:
             made = [extremes(t, batch) if cut else (*torch.aminmax(t), None)
                     for t, cut in zip(group, split)]
@@ -466,11 +468,12 @@ def _by_rows(flat: torch.Tensor, group: Sequence[torch.Tensor], split: Sequence[
     per tensor, not over the data). Appends where each split tensor's rows lie in the
     group's one (segments, 2) block of [min, max]."""
     segments, counts, starts = _row_layout(tuple(map(torch.Tensor.numel, group)), tuple(split), batch, flat.device)
-    lo = torch.segment_reduce(flat, "min", lengths=segments)
-    hi = torch.segment_reduce(flat, "max", lengths=segments)
+    lo = torch.segment_reduce(flat, "min", lengths=segments, unsafe=True)
+    hi = torch.segment_reduce(flat, "max", lengths=segments, unsafe=True)
     block = torch.stack((lo, hi), dim=1)
     rows.extend((i, block, start) for i, cut, start in zip(idx, split, starts) if cut)
-    return torch.segment_reduce(lo, "min", lengths=counts), torch.segment_reduce(hi, "max", lengths=counts)
+    return (torch.segment_reduce(lo, "min", lengths=counts, unsafe=True),
+            torch.segment_reduce(hi, "max", lengths=counts, unsafe=True))
 
 
 @functools.lru_cache(maxsize=64)

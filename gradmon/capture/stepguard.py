@@ -262,7 +262,11 @@ class StepSignals:
     def __init__(self, statistics: Sequence[Any], values: Any, sharded: bool,
                  params: Callable[[], Sequence[Optional[torch.Tensor]]]) -> None:
         judged = [(st.name, count_columns(st.columns)) for st in statistics if count_columns(st.columns)]
-        self._name, self._counts = judged[0] if judged else (None, ())
+        self._name, counts = judged[0] if judged else (None, ())
+        # columns as slices: indexing with a list would copy it to the device, a host sync on CUDA
+        self._counts = [slice(c, c + 1) for c in counts]
+        if counts and tuple(counts) == tuple(range(counts[0], counts[0] + len(counts))):
+            self._counts = [slice(counts[0], counts[0] + len(counts))]
         self._values, self._sharded, self._params = values, sharded, params
 
     def _rows(self) -> Optional[torch.Tensor]:
@@ -272,7 +276,9 @@ class StepSignals:
     def nonfinite(self) -> Optional[torch.Tensor]:
         """Whether any gradient element is NaN or Inf, a 0-d bool on the device (None: not measured)."""
         rows = self._rows()
-        return rows[:, list(self._counts)].sum() > 0 if rows is not None else None
+        if rows is None or not self._counts:
+            return None
+        return sum(rows[:, cut].sum() for cut in self._counts) > 0
 
     def spiking(self) -> Dict[str, Optional[torch.Tensor]]:
         """This step's loss and unscaled global gradient norm on the device (None: unknown;
