@@ -329,6 +329,69 @@ def test_the_guards_spike_score_skips_nothing_in_the_healthy_runs_of_the_alert_c
         assert spikes.tolist() == [], (signal, score.max().item())
 
 
+def _replay_guard(name, steps=None, spike_at=None):
+    """``guard="nonfinite,spike"`` at its defaults, as attach builds it (its device windows,
+    their restart on a learning-rate jump, the decision and its host read), fed each recorded
+    step of ``name`` in order: the gradient rows, the loss (times 50 at ``spike_at``) and the
+    learning rates. Returns the steps replayed and the global steps it skipped."""
+    import sys
+    from types import SimpleNamespace
+    sys.path.insert(0, str(ROOT / "bench" / "instability"))
+    import corpus_files as files
+    import inprocess
+    from gradmon import statistics as S
+    from gradmon.capture.stepguard import StepGuard, StepSignals, modes
+    from gradmon.config import resolve
+
+    cfg = resolve({"guard": "nonfinite,spike"})
+    guard = StepGuard(modes(cfg.guard), cfg.guard_max_skips, cfg.guard_on_persist, (), cfg.guard_spike_z,
+                      cfg.spike_window)
+    rec = files.load(name)
+    packets = inprocess.Packets(rec)
+    values = SimpleNamespace(batched={}, loss=None, scale=None)
+    signals = StepSignals([S.GRAD], values, False, lambda: [])
+    opt = None
+    replayed, skipped = 0, []
+    for i in range(min(len(packets), steps or len(packets))):
+        packet = packets.packet(i)
+        rows = [rows for stat, _, rows in S.read(packet.data.tolist(), packet.sections) if stat is S.GRAD]
+        if opt is None:
+            opt = torch.optim.SGD([{"params": [torch.zeros(1)]} for _ in packet.learning_rates], lr=1.0)
+        for group, lr in zip(opt.param_groups, packet.learning_rates):
+            group["lr"] = lr
+        values.batched = {S.GRAD.name: (torch.tensor(rows[0]),)}
+        loss = float(rec["loss"][packet.global_step - 1]) * (50.0 if packet.global_step == spike_at else 1.0)
+        values.loss = torch.tensor([loss])
+        guard.measured(signals)
+        guard.before_step(opt, signals)
+        guard.after_step(opt)
+        replayed += 1
+        if guard.skipped_on_host:
+            skipped.append(packet.global_step)
+    return replayed, skipped
+
+
+@pytest.mark.parametrize("name", ["cnn-healthy-nowarmup-s0", "lm-healthy-warmup-s0"])
+def test_the_guard_replayed_over_a_healthy_corpus_run_skips_none_of_its_2000_steps(name):
+    replayed, skipped = _replay_guard(name)
+    assert replayed == 2000 and skipped == []
+    assert _replay_guard(name, steps=300, spike_at=250) == (300, [250])  # the same replay sees a 50x loss
+
+
+def test_spike_is_armed_only_once_the_window_is_full_and_again_after_a_restart():
+    from gradmon.capture.stepguard import SpikeWindow
+
+    def verdicts(window, n, spike_at):
+        return [bool(window.push(torch.tensor(50.0 if i == spike_at else 1.0 + 0.01 * (i % 3)))) for i in range(n)]
+
+    assert not any(verdicts(SpikeWindow(32, 6.0), 32, spike_at=31))  # the 32nd value: the window is not full yet
+    assert verdicts(SpikeWindow(32, 6.0), 33, spike_at=32)[32]  # the 33rd: scored against 32, a spike
+    window = SpikeWindow(32, 6.0)
+    verdicts(window, 40, spike_at=None)
+    window.restart()  # a learning-rate jump
+    assert not any(verdicts(window, 32, spike_at=20))
+
+
 def test_the_device_window_and_the_pages_detector_give_the_same_verdicts():
     """One definition: the guard's window on the device (SpikeWindow) and the publisher's
     detector score a recorded run's loss alike, step by step, once the window is full."""
