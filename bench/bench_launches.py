@@ -13,6 +13,7 @@ what gradmon adds.
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 from typing import Dict, List
@@ -33,7 +34,8 @@ def count(step, steps: int) -> List[Dict[str, int]]:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
         events = prof.events()
-        out.append({"device": sum(1 for e in events if e.device_type == DeviceType.CUDA),
+        names = collections.Counter(e.name for e in events if e.device_type == DeviceType.CUDA)
+        out.append({"device": sum(names.values()), "names": names,
                     "launch_calls": sum(1 for e in events if e.name in LAUNCH_CALLS)})
     return out
 
@@ -67,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--fused", action="store_true")
     p.add_argument("--compiled", action="store_true", help="also the pair compiled whole (Inductor)")
     p.add_argument("--period", type=int, default=20, help="steps profiled: one sampling period at the defaults")
+    p.add_argument("--top", type=int, default=25, help="kernel names listed")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device: kernel launches are counted by the CUDA profiler")
@@ -85,6 +88,11 @@ def main(argv=None) -> int:
         print(f"{'':10s} added by gradmon: ordinary steps {mon['min'] - base['min']:+d} kernels, "
               f"detail steps {mon['max'] - base['max']:+d}; per step of the period: "
               f"{[c['device'] - b['device'] for c, b in zip(mon['per_step'], base['per_step'])]}")
+        ordinary = min(mon["per_step"], key=lambda c: c["device"])
+        added = ordinary["names"] - base["per_step"][0]["names"]
+        print(f"{'':10s} an ordinary step's added kernels by name (top {args.top}):")
+        for name, n in added.most_common(args.top):
+            print(f"{'':12s}{n:6d}  {name[:110]}")
     return 0
 
 

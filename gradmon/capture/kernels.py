@@ -322,13 +322,13 @@ def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple
 def param_norms(weights: Sequence[torch.Tensor], home: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:
     """(an (n, 1) tensor of L2 norms on ``home``, row order): each parameter's own norm,
     reduced as :func:`param_grad_stats` reduces a gradient's."""
-    return _grouped_rows(weights, home, lambda group, norms, ship: norms.to(ship).unsqueeze(1))
+    return _grouped_rows(weights, home, lambda group, norms, ship, small: norms.to(ship).unsqueeze(1))
 
 
 def _grouped_rows(tensors: Sequence[torch.Tensor], home: torch.device,
-                  columns: Callable[[Sequence[torch.Tensor], torch.Tensor, torch.dtype], torch.Tensor]
+                  columns: Callable[[Sequence[torch.Tensor], torch.Tensor, torch.dtype, bool], torch.Tensor]
                   ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
-    """The rows ``columns(group, its norms, ship dtype)`` makes of each group of ``tensors``
+    """The rows ``columns(group, its norms, ship dtype, small)`` makes of each group of ``tensors``
     that one kernel reduces (:func:`_groups`), on ``home``, and the order of their rows."""
     numels = list(map(torch.Tensor.numel, tensors))
     ship = _ship_dtype(home)
@@ -336,15 +336,18 @@ def _grouped_rows(tensors: Sequence[torch.Tensor], home: torch.device,
     order: List[int] = []
     for (_device, dtype, small), idx in _groups(tensors, numels).items():
         group = [tensors[i] for i in idx]
-        blocks.append(columns(group, _norms(group, dtype, small), ship).to(home, non_blocking=True))
+        blocks.append(columns(group, _norms(group, dtype, small), ship, small).to(home, non_blocking=True))
         order.extend(idx)
     rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return rows, tuple(order)
 
 
-def _norms_and_counts(group: Sequence[torch.Tensor], norms: torch.Tensor, ship: torch.dtype) -> torch.Tensor:
+def _norms_and_counts(group: Sequence[torch.Tensor], norms: torch.Tensor, ship: torch.dtype, small: bool
+                      ) -> torch.Tensor:
     if _host_says_finite(norms):
         counts = torch.zeros((len(group), 2), dtype=ship, device=norms.device)
+    elif small and len(group) > 1:
+        counts = _segment_counts(group, ship)
     else:
         counts = torch.stack([_counts(g) for g in group]).to(ship)
     return torch.cat((norms.to(ship).unsqueeze(1), counts), dim=1)
@@ -404,6 +407,16 @@ def _flat(group: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
 def _lengths(lengths: Tuple[int, ...], device: torch.device) -> torch.Tensor:
     # the same few layouts come back every step: built and copied once each
     return host_values(lengths, device, torch.int64)
+
+
+def _segment_counts(group: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """(n, 2) [NaN, Inf] counts of small tensors: their one flat copy counted by segment,
+    a handful of kernels where counting each tensor costs five. On an accelerator, which
+    cannot skip counting finite gradients without a host read, this runs every step.
+    Exact: a small tensor holds fewer elements than float32 counts exactly."""
+    flat, lengths = _flat(group)
+    return torch.stack([torch.segment_reduce(mask.to(dtype), "sum", lengths=lengths, unsafe=True)
+                        for mask in (torch.isnan(flat), torch.isinf(flat))], dim=1)
 
 
 def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
