@@ -93,18 +93,19 @@ def test_a_nan_step_is_skipped_bit_for_bit_and_training_goes_on(kind, device, tm
     assert [(line["reason"], line["rank"]) for line in lines] == [(M.GUARD_NONFINITE, 0)]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
 @pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
-def test_a_step_with_a_closure_is_judged_on_the_closures_own_backward(kind):
+def test_a_step_with_a_closure_is_judged_on_the_closures_own_backward(kind, device):
     """``opt.step(closure)`` (as Lightning steps): the backward runs inside the step, after
     its pre-hook; the NaN it brings is still skipped, and the other steps applied."""
-    model = _model()
+    model = _model(device)
     opt = OPTIMIZERS[kind](model.parameters())
     with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
                         incident_dir="", name=f"closure-{kind}") as mon:
         for step in range(12):
             def closure():
                 opt.zero_grad(set_to_none=True)
-                loss = model(_batch(step, bad_steps=(8,))).pow(2).mean()
+                loss = model(_batch(step, bad_steps=(8,), device=device)).pow(2).mean()
                 loss.backward()
                 return loss
             before = [p.detach().clone() for p in model.parameters()]
@@ -114,6 +115,7 @@ def test_a_step_with_a_closure_is_judged_on_the_closures_own_backward(kind):
         assert mon.flush()
         assert dict(mon.snapshot().guard_skipped_steps) == {M.GUARD_NONFINITE: 1}
         assert sum(mon._errors.counts().values()) == 0
+        assert mon._recorder.step_guard.syncs == (0 if kind.endswith("fused") else 12)  # one read a step, unfused
 
 
 def test_without_the_guard_the_nan_step_is_applied(tmp_path):
