@@ -88,11 +88,12 @@ def main(argv=None) -> int:
         print(f"{'':10s} added by gradmon: ordinary steps {mon['min'] - base['min']:+d} kernels, "
               f"detail steps {mon['max'] - base['max']:+d}; per step of the period: "
               f"{[c['device'] - b['device'] for c, b in zip(mon['per_step'], base['per_step'])]}")
-        ordinary = min(mon["per_step"], key=lambda c: c["device"])
-        added = ordinary["names"] - base["per_step"][0]["names"]
-        print(f"{'':10s} an ordinary step's added kernels by name (top {args.top}):")
-        for name, n in added.most_common(args.top):
-            print(f"{'':12s}{n:6d}  {name[:110]}")
+        for kind, pick in (("an ordinary", min), ("a detail", max)):
+            step = pick(mon["per_step"], key=lambda c: c["device"])
+            added = step["names"] - base["per_step"][0]["names"]
+            print(f"{'':10s} {kind} step's added kernels by name (top {args.top}):")
+            for name, n in added.most_common(args.top):
+                print(f"{'':12s}{n:6d}  {name[:110]}")
     return 0
 
 
