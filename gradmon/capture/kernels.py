@@ -348,8 +348,9 @@ def _norms_and_counts(group: Sequence[torch.Tensor], norms: torch.Tensor, ship: 
         counts = torch.zeros((len(group), 2), dtype=ship, device=norms.device)
     elif small and len(group) > 1:
         counts = _segment_counts(group, ship)
-    else:
-        counts = torch.stack([_counts(g) for g in group]).to(ship)
+    else:  # two stacks for the group, not one per tensor
+        counts = torch.stack([torch.stack([torch.isnan(g).sum() for g in group]),
+                              torch.stack([torch.isinf(g).sum() for g in group])], dim=1).to(ship)
     return torch.cat((norms.to(ship).unsqueeze(1), counts), dim=1)
 
 
