@@ -6,7 +6,7 @@
 #      statistics equal eager on Inductor's GPU kernels;
 #   2. kernel launches gradmon adds per step (profiler), eager and compiled;
 #   3. bench_overhead's ratios on a GPT-2-small-sized model in bf16 with fused AdamW:
-#      defaults, the guard, and the compiled pair, run twice.
+#      defaults, the guard, and the compiled pair.
 # Each part has its own time limit, so one that hangs still leaves the others' figures.
 set -u
 out=${OUT:-gpu-checks-out}
@@ -23,8 +23,7 @@ part() {  # part NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "$out/$name.log"
 }
 nvidia-smi -L; $py -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, torch.cuda.get_device_name())'
-part tests 150 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_host_sync.py tests/test_stepguard.py tests/test_compile.py
+part tests 90 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_host_sync.py tests/test_stepguard.py tests/test_compile.py tests/test_statistics.py
 common=(--device cuda --size gpt2 --bf16 --fused)
-part overhead1 240 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead1.json"
-part launches 80 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled
-part overhead2 100 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead2.json"
+part overhead 190 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead.json"
+TAIL=70 part launches 110 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled
