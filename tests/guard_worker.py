@@ -15,8 +15,8 @@ The sharded runs have a second bad step, ``POISON_STEP``: rank 3's backward puts
 gradient of the first layer's last output unit alone, so only the ranks whose shard holds
 that unit see a NaN (``poisoned``); the others learn of it from the guard's all-reduce, or
 step. Each rank writes, per run and bad step, whether its own parameters (or shards) and
-optimizer state after the step equal a copy from before it; its parameters at the end; its
-skip counts; and whether its local gradient held a NaN at the poisoned step.
+optimizer state after the step equal a copy from before it; its parameters and optimizer
+state at the end; its skip counts; and whether its local gradient held a NaN at the poisoned step.
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ def _train(rank: int, run: str) -> Dict[str, Any]:
         out["skipped"] = dict(mon.snapshot().guard_skipped_steps)
         out["errors"] = sum(mon._errors.counts().values())
     out["params"] = [p.tolist() for p in _params(model)]
+    out["state"] = [[k, v.tolist() if isinstance(v, torch.Tensor) else v] for k, v in _state(opt)]
     return out
 
 

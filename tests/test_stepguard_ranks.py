@@ -45,13 +45,15 @@ def test_ranks_whose_shards_hold_no_nan_skip_too(ranks, run):
         assert results[run]["unchanged"][str(worker.POISON_STEP)], (run, rank, poisoned)
 
 
-def test_the_replicas_stay_identical_after_the_skips(ranks):
-    ddp = [results["ddp"]["params"] for results in ranks]
-    assert all(params == ddp[0] for params in ddp)
-    # HSDP's (replicate, shard) mesh [[0, 1], [2, 3]]: ranks 0 and 2 hold the same shard, 1 and 3 the other
-    hsdp = [results["hsdp"]["params"] for results in ranks]
+@pytest.mark.parametrize("kept", ["params", "state"])
+def test_the_replicas_stay_identical_after_the_skips(ranks, kept):
+    """Parameters and optimizer state: every DDP rank's alike; HSDP's (replicate, shard) mesh
+    [[0, 1], [2, 3]]: ranks 0 and 2 hold the same shard, 1 and 3 the other."""
+    ddp = [results["ddp"][kept] for results in ranks]
+    assert all(held == ddp[0] for held in ddp)
+    hsdp = [results["hsdp"][kept] for results in ranks]
     assert hsdp[0] == hsdp[2] and hsdp[1] == hsdp[3] and hsdp[0] != hsdp[1]
-    local = [results["local"]["params"] for results in ranks]
+    local = [results["local"][kept] for results in ranks]
     assert local[0] != local[1]  # ranks stepping alone on their own batches do differ: the check can fail
 
 
