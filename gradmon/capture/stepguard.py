@@ -22,6 +22,10 @@ optimizer's step (its pre-hook, every owned optimizer):
   gradient, and its state, untouched; this holds from the very first step, with or
   without a trainer, without wrapping anything.
 
+A step with a closure (``opt.step(closure)``, as Lightning's automatic optimization steps)
+runs its backward inside ``step()``, after the pre-hook: the decision waits for that
+backward's measurement, and is applied then, before the optimizer updates anything.
+
 A GradScaler's overflow skip comes first: the scaler never calls ``step()`` (or hands a
 fused optimizer its own flag, which the packet keeps apart), so it is not counted twice,
 and a guard skip never reaches the scaler's ``update()``: the loss scale does not shrink.
