@@ -1,7 +1,9 @@
 """The full view under torch.compile (issue 27), on the CPU Inductor backend: the model
 compiled whole with ``fullgraph=True`` and gradmon attached runs 100 steps without a graph
-break or a recompile (the detail cadence flips every other step), and reports the same
-activation statistics and the same NaN origin as an eager twin fed the same batches.
+break or a recompile (the detail cadence flips every other step, and with it the gate of the
+detail statistics' branch), and reports the same activation statistics and the same NaN
+origin, on a detail step and on an ordinary one, as an eager twin fed the same batches; the
+generated code makes the detail statistics only inside the gated branch.
 
 Inductor compiles cost tens of seconds here, so the module compiles one model, once
 (a module-scoped run), and the tests read what it saw.
@@ -19,7 +21,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import gradmon
-from conftest import needs_cuda, scrape
+from torch._inductor.utils import run_and_get_code
+from conftest import scrape
 
 STEPS = 100
 
@@ -50,14 +53,14 @@ def family(samples, name, model):
             if n == name and dict(labels)["model"] == model}
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
-def runs(request):
+@pytest.fixture(scope="module")
+def runs():
     """One compiled and one eager monitor over twin models, the same batches, lr 0 (the
-    twins stay equal); then a NaN put in ``body``'s last weight of both, one more step.
-    On the CPU and, where there is one, on a CUDA device (Inductor's Triton kernels)."""
-    device = request.param
+    twins stay equal), the code Inductor generated for the first step; then a NaN put in
+    ``body``'s last weight of both on a detail step (100), the weights restored and two
+    finite steps (the run ends), the NaN again on an ordinary step (103)."""
     torch._dynamo.reset()
-    compiled_model, eager_model = model().to(device), model().to(device)
+    compiled_model, eager_model = model(), model()
     options = dict(port=0, addr="127.0.0.1", final_scrape_timeout=0, detail_every=2, incident_dir="")
     mon_c = gradmon.attach(compiled_model, name="compiled", **options)
     mon_e = gradmon.attach(eager_model, name="eager", **options)
@@ -65,23 +68,34 @@ def runs(request):
     opt_c = torch.optim.SGD(compiled_model.parameters(), lr=0.0)
     opt_e = torch.optim.SGD(eager_model.parameters(), lr=0.0)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 6, generator=g) * (1 + i % 7)).to(device) for i in range(STEPS)]
+    batches = [torch.randn(8, 6, generator=g) * (1 + i % 7) for i in range(STEPS)]
     counters.clear()
     try:
+        # compiled here, not taken from the on-disk caches, so that the code is seen
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            _, code = run_and_get_code(train, compiled, opt_c, batches[:1], mon_c)
         with torch._dynamo.config.patch(error_on_recompile=True):
-            train(compiled, opt_c, batches, mon_c)
+            train(compiled, opt_c, batches[1:], mon_c)
         seen = dict(graph_breaks=dict(counters["graph_break"]), graphs=counters["stats"]["unique_graphs"],
-                    recompiles=dict(counters["recompiles"]))
+                    recompiles=dict(counters["recompiles"]), code=code)
         train(eager_model, opt_e, batches, mon_e)
         before = {"compiled": scrape(mon_c.url), "eager": scrape(mon_e.url),
                   "errors": (mon_c._errors.counts(), mon_e._errors.counts())}
-        with torch.no_grad():
-            compiled_model.body[3].weight[0, 0] = math.nan
-            eager_model.body[3].weight[0, 0] = math.nan
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            train(compiled, opt_c, batches[:1], mon_c)
-        train(eager_model, opt_e, batches[:1], mon_e)
-        nan = {"compiled": mon_c.snapshot(), "eager": mon_e.snapshot()}
+        kept = [p.detach().clone() for p in eager_model.parameters()]
+        nan = {}
+        for step, finite_before in ((STEPS, 0), (STEPS + 3, 2)):  # a detail step, an ordinary one
+            for net, forward, opt, mon in ((compiled_model, compiled, opt_c, mon_c),
+                                           (eager_model, eager_model, opt_e, mon_e)):
+                with torch.no_grad():  # lr 0 still spreads a NaN gradient to every weight
+                    for p, k in zip(net.parameters(), kept):
+                        p.copy_(k)
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    train(forward, opt, batches[:finite_before], mon)
+                    with torch.no_grad():
+                        net.body[3].weight[0, 0] = math.nan
+                    train(forward, opt, batches[:1], mon)
+            nan[step] = {"compiled": mon_c.snapshot(), "eager": mon_e.snapshot()}
         yield seen, before, nan
     finally:
         mon_c.detach()
@@ -111,12 +125,30 @@ def test_compiled_activation_statistics_equal_eager(runs):
         family(eager, "gradmon_grad_norm", "eager"), rel=1e-5)
 
 
-def test_compiled_nan_origin_names_the_same_block(runs):
+def test_compiled_nan_origin_names_the_same_block_on_the_step(runs):
     _, _, nan = runs
-    origin = {name: {o.tensor: o.layer for o in snap.nonfinite_origin} for name, snap in nan.items()}
-    assert origin["compiled"].get("block") == origin["eager"].get("block") == "body"
-    assert origin["compiled"].get("activation") == "body.3"  # the NaN step is a detail step
-    assert origin["compiled"] == origin["eager"]
+    for step, detail in ((STEPS, True), (STEPS + 3, False)):
+        origin = {name: {o.tensor: (o.layer, o.step) for o in snap.nonfinite_origin}
+                  for name, snap in nan[step].items()}
+        assert origin["compiled"].get("block") == origin["eager"].get("block") == ("body", step + 1), step
+        # the activation record, and its origin, only on a detail step
+        assert origin["compiled"].get("activation") == (("body.3", step + 1) if detail else None), step
+        assert origin["compiled"] == origin["eager"], step
+
+
+def test_detail_statistics_are_computed_only_in_the_gated_branch(runs):
+    """Outside a branch the compiled forward reduces each block's output (min/max, every
+    step); the norms and counts of the layers' outputs are inside one branch per layer,
+    which the host's gate skips on ordinary steps."""
+    seen = runs[0]
+    forward = next(c for c in seen["code"] if "torch.ops.cond" in c)
+    body = forward[forward.index("    def call(self, args):"):]
+    top = [line.strip() for line in body.splitlines() if line.startswith(" " * 8 + "cpp_fused")]
+    gated = [line for line in body.splitlines() if line.startswith(" " * 8 + "if ") and ".item():" in line]
+    assert len(gated) == 4  # inp, body.1, body.3, head
+    assert any("aminmax" in k for k in top), top
+    assert not [k for k in top if "vector_norm" in k or "isnan" in k or "isinf" in k], top
+    assert "linalg_vector_norm" in forward and "isnan" in forward  # made, inside the branches
 
 
 def test_attaching_after_the_first_compiled_call_is_said_and_a_reset_recovers(attach, caplog):

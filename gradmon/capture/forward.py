@@ -83,6 +83,8 @@ class Forward:
     def next_step(self, detail: bool) -> None:
         """The next step reads the layers (a detail step) or not."""
         self.detail_now = detail
+        if self.traced is not None:
+            self.traced.arm(detail)
         # on a detail step a block that is a layer takes its extremes from its activation record
         self._defer_blocks = self._batch_blocks and not detail
 
@@ -159,8 +161,8 @@ class Forward:
     def layer_hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
         """A layer's forward hook."""
         if torch.compiler.is_compiling():
-            # every step: a Python flag read here (detail_now) would recompile the model
-            # each time it flips; the host drops what its cadence does not want
+            # no read of detail_now here (a guard: the model would compile again each time
+            # it flips): the detail records are gated by a tensor the host sets (traced.py)
             if self._traced_forward(module):
                 self.traced.record(module, traced.LAYER, output)
             return

@@ -4,14 +4,22 @@ There the hooks are traced into the model's graph, so what they do must be tenso
 the compiler keeps, and nothing it would turn into a guard or a graph break: no Python
 flag that changes from step to step is read (a flag that flips becomes a guard, and the
 model is compiled again each time it does), no host read, no timer, no try/except, no
-``register_hook``. Each hook makes every statistic recorded at its moment, every step
-(Inductor fuses a layer's reductions into one pass over its output, or into the kernel
-that produced it), and stores them as an attribute of the module it ran on: a store of a
-value the compiled code never reads is replayed after the graph runs and guarded on
-nothing, and it names no layer index, so the identical blocks of a model compiled block
-by block share one compiled graph. The host takes them (:meth:`TracedSlots.take`) after
-the forward, at the end of backward or of the step, and keeps the records its cadence
-wants (``detail_every``): the rest were computed on the device and are dropped.
+``register_hook``. What the eager hooks record on every step (the blocks' extremes, which
+name a NaN's origin on the step it happens) is recorded on every step, and Inductor fuses
+it into one pass over the output or into the kernel that produced it. What they record
+only on detail steps (``detail_every``: activation norm, extremes, counts, the kurtosis
+sample) is made under a branch (``torch.cond``) on a one-element bool tensor, the gate,
+that the host sets between steps (:meth:`TracedSlots.arm`): a tensor's value is not
+guarded on, so flipping it recompiles nothing, and the compiled code skips the branch's
+reductions on the other steps. The gate lives on the CPU whatever the model's device:
+Inductor reads a branch's predicate on the host, and a CPU one costs no device sync.
+
+Records are stored as an attribute of the module the hook ran on: a store of a value the
+compiled code never reads is replayed after the graph runs and guarded on nothing, and it
+names no layer index, so the identical blocks of a model compiled block by block share one
+compiled graph. The host takes them (:meth:`TracedSlots.take`) after the forward, at the
+end of backward or of the step; on other steps than detail steps the gated records are
+zeros, and dropped.
 
 A module holds one call's records: a layer called several times in one forward, or one
 model's several forwards before a backward, keeps its last call's (docs/limits.md).
@@ -60,6 +68,9 @@ class TracedSlots:
                                              (LAYER, (S.OUTPUT, S.LAYER)))}
         self._attr = {kind: f"_gradmon_{tag}_{kind}" for kind in self._stats}
         self._detail = {st.name: st.detail for st in statistics}
+        # the gate of the detail statistics' branch: a tensor, so that the compiled code reads
+        # its value where a Python bool would be guarded on (the first step is a detail step)
+        self._gate = torch.ones((), dtype=torch.bool)
         self._slots: List[Tuple["weakref.ref[nn.Module]", str, int]] = []  # (module, its attribute, key)
         self._told = False  # the warning that the layers' hooks were compiled out
 
@@ -71,9 +82,14 @@ class TracedSlots:
     def wants(self, kind: str) -> bool:
         return bool(self._stats[kind])
 
+    def arm(self, detail: bool) -> None:
+        """Host, between steps: whether the next step's compiled hooks make the detail
+        statistics' records (a write to a CPU tensor: no device work, no recompile)."""
+        self._gate.fill_(detail)
+
     def record(self, module: nn.Module, kind: str, values: Any) -> None:
         """Traced: the records of ``values`` made at a ``kind`` hook, left on ``module``."""
-        setattr(module, self._attr[kind], _records(self._stats[kind], values))
+        setattr(module, self._attr[kind], _records(self._stats[kind], values, self._gate))
 
     def take(self, records: StepRecords, detail: bool) -> bool:
         """Host: every record a compiled hook left, into ``records`` (pending, committed
@@ -102,14 +118,40 @@ class TracedSlots:
 _Made = Tuple[Tuple[int, Dict[str, Tuple[torch.Tensor, ...]]], ...]  # each tensor's (numel, records by name)
 
 
-def _records(statistics: Sequence[Statistic], values: Any) -> _Made:
+def _records(statistics: Sequence[Statistic], values: Any, gate: torch.Tensor) -> _Made:
     """Each statistic's record of each floating-point tensor among ``values``, as the
-    eager hooks make them (``Statistic.record``: the kernels take their compiled branch)."""
+    eager hooks make them (``Statistic.record``: the kernels take their compiled branch);
+    the detail statistics' only where ``gate`` holds True (:func:`_on_detail_steps`)."""
     made = []
     for t in iter_tensors(values):
         if not is_floating(t) or t.numel() == 0:
             continue
         x = t.detach()
-        made.append((t.numel(), {st.name: tuple(st.record(x)) for st in statistics
-                                 if st.dtypes is None or t.dtype in st.dtypes}))
+        wanted = [st for st in statistics if st.dtypes is None or t.dtype in st.dtypes]
+        by_name = {st.name: tuple(st.record(x)) for st in wanted if not st.detail}
+        by_name.update(_on_detail_steps([st for st in wanted if st.detail], x, gate))
+        made.append((t.numel(), by_name))
     return tuple(made)
+
+
+def _on_detail_steps(statistics: Sequence[Statistic], x: torch.Tensor, gate: torch.Tensor
+                     ) -> Dict[str, Tuple[torch.Tensor, ...]]:
+    """The records of ``statistics`` of ``x`` made in one branch taken where ``gate`` holds
+    True, zeros of the same shapes otherwise (the host drops them). The branches must agree
+    on their outputs' shapes and dtypes: read from a call made at trace time whose results
+    nothing uses, so the compiler drops its work (tests/test_compile.py checks that the
+    generated code reduces nothing outside the branch)."""
+    if not statistics:
+        return {}
+
+    def made(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return tuple(part for st in statistics for part in st.record(x))
+
+    # plain tuples: a torch.Size of symbolic sizes (dynamic shapes) cannot enter a branch
+    like = [[(tuple(part.shape), part.dtype) for part in st.record(x)] for st in statistics]
+
+    def blank(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return tuple(x.new_zeros(shape, dtype=dtype) for parts in like for shape, dtype in parts)
+
+    flat = iter(torch.cond(gate, made, blank, (x,)))
+    return {st.name: tuple(next(flat) for _ in parts) for st, parts in zip(statistics, like)}
