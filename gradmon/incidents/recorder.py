@@ -24,6 +24,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..capture.kernels import to_host
 from ..errors import ErrorLog
 from . import bundle as B
 from .steps import Step, decode, optimizer_values
@@ -287,7 +288,7 @@ def _ids(batch: Sequence[object]) -> Optional[List[Any]]:
         return None
     out: List[Any] = []
     for ids in batch:
-        out.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)  # type: ignore[union-attr]
+        out.extend(_host(ids).tolist() if isinstance(ids, torch.Tensor) else ids)  # type: ignore[union-attr]
     return out[:MAX_IDS]
 
 
@@ -302,7 +303,7 @@ def _batch(ids: Optional[List[Any]], at: Optional[Step]) -> Dict[str, Any]:
     if ids is None and at is not None:
         for name, values, _ in sorted(at.hashes, key=lambda h: h[2]):
             hashes.setdefault(name, []).extend(format(v & 0xFFFFFFFFFFFFFFFF, "016x")
-                                               for v in values.detach().to("cpu").tolist())
+                                               for v in _host(values).tolist())
     reason = None if ids is not None else "no ids given: Monitor.observe(batch=ids)"
     return {"known": ids is not None, "ids": ids if ids is not None else [], "reason": reason,
             "hashes": {name: values[:MAX_IDS] for name, values in hashes.items()}, "hash": HASH if hashes else None}
@@ -330,11 +331,20 @@ def _rows(origin: Optional[Step], block: Optional[str], blocks: Sequence[str]) -
                        "the root input's batch, the batch is sequence-first or packed, or (a block that is a layer, "
                        "on a detail step) its check was taken from its activation record")
     # a block's value of several tensors (a tuple, the input and its mask) is one batch: their rows' flags are or-ed
-    nan_or_inf, minus_inf = (torch.cat([torch.stack([kind(t.detach().to("cpu", torch.float64)) for t in tensors])
+    nan_or_inf, minus_inf = (torch.cat([torch.stack([kind(_host(t).double()) for t in tensors])
                                         .any(dim=0) for _, tensors in sorted(forwards.items())])
                              for kind in (_nan_or_inf, _minus_inf))
     bad = (nan_or_inf if nan_or_inf.any() else minus_inf).nonzero().reshape(-1)
     return {"known": True, "rows": bad.tolist()[:MAX_IDS], "block": block, "reason": None}
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory, waiting for its own copy only: a blocking copy would wait on the
+    whole stream, a sync that CUDA's sync debug mode refuses in any thread."""
+    host, event = to_host(t.detach().contiguous())
+    if event is not None:
+        event.synchronize()
+    return host
 
 
 def _nan_or_inf(rows: torch.Tensor) -> torch.Tensor:
