@@ -118,19 +118,36 @@ COMPILED = {"compiled_baseline": v_baseline, "compiled_gradmon_defaults": _gradm
 RATIO_TO = {"compiled_gradmon_defaults": "compiled_baseline"}
 
 
-def make_training(seed: int = 0, batch: int = 8, seq: int = 128, vocab: int = 2048, compiled: bool = False):
+# Model sizes: ``reference`` is issue 2's CPU model; ``gpt2`` is GPT-2 small's shape (124M
+# parameters at vocab 50,304), for a GPU.
+SIZES = {"reference": dict(vocab=2048, d=256, depth=6, heads=4, seq=128, batch=8),
+         "gpt2": dict(vocab=50304, d=768, depth=12, heads=12, seq=1024, batch=8)}
+# Set by main(): where and how every copy trains. On a GPU, bf16 autocast and fused AdamW,
+# as production jobs run; each step ends with a device synchronize, so a step's time is
+# the device's as well as the host's.
+SETUP = dict(size="reference", device="cpu", bf16=False, fused=False)
+
+
+def make_training(seed: int = 0, compiled: bool = False):
+    shape = dict(SIZES[SETUP["size"]])
+    batch, vocab, seq = shape.pop("batch"), shape["vocab"], shape["seq"]
+    device = torch.device(SETUP["device"])
     torch.manual_seed(seed)
-    model = GPT(vocab=vocab, seq=seq)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = torch.randint(0, vocab, (batch, seq + 1))
+    model = GPT(**shape).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if SETUP["fused"] else {}))
+    data = torch.randint(0, vocab, (batch, seq + 1), device=device)
     forward = torch.compile(model, fullgraph=True) if compiled else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=SETUP["bf16"])
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step() -> None:
-        logits = forward(data[:, :-1])
-        F.cross_entropy(logits.reshape(-1, vocab), data[:, 1:].reshape(-1)).backward()
+        with autocast:
+            logits = forward(data[:, :-1])
+        F.cross_entropy(logits.float().reshape(-1, vocab), data[:, 1:].reshape(-1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        synchronize()
     return model, opt, step
 
 
@@ -251,7 +268,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--quick", action="store_true", help="tiny run for a smoke test; figures meaningless")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--size", choices=sorted(SIZES), default="reference")
+    p.add_argument("--bf16", action="store_true", help="train under bf16 autocast")
+    p.add_argument("--fused", action="store_true", help="fused AdamW (a CUDA kernel)")
     args = p.parse_args(argv)
+    SETUP.update(size=args.size, device=args.device, bf16=args.bf16, fused=args.fused)
     if args.quick:
         args.rounds, args.steps, args.discard, args.memory_steps = 1, 2, 1, 2
     torch.set_num_threads(args.threads)
@@ -265,12 +287,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.options:
         VARIANTS["gradmon_options"] = _gradmon(**dict(_option(kv) for kv in args.options))
         names.append("gradmon_options")
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds x {args.steps} steps "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {where}, model {args.size}{', bf16 autocast' if args.bf16 else ''}"
+          f"{', fused AdamW' if args.fused else ''}, {args.threads} threads, {args.rounds} rounds x {args.steps} steps "
           f"of every copy, interleaved step by step", flush=True)
     res = interleaved(names, args.rounds, args.steps, args.discard)
     for name in names:
-        # a fresh process knows only the named variants
-        skip = args.no_memory or name == "gradmon_options" or name in COMPILED
+        # a fresh process knows only the named variants, on the reference CPU setup
+        skip = args.no_memory or args.device != "cpu" or name == "gradmon_options" or name in COMPILED
         res[name]["peak_rss_mb"] = math.nan if skip else peak_rss_mb(name, args.memory_steps)
     base_rss = res["baseline"]["peak_rss_mb"]
     print(f"{'variant':26s} {'step ms':>9s} {'ratio':>7s} {'ci95 hi':>8s} {'target':>7s} {'host us/step':>13s} "

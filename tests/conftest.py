@@ -13,6 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gradmon
 
+# A test that needs a CUDA device: skipped on this project's CPU machines and CI, run where a
+# GPU is lent by scripts/gpu_checks.sh.
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_checks.sh)")
+
 torch.set_num_threads(1)
 
 Key = Tuple[str, Tuple[Tuple[str, str], ...]]

@@ -16,6 +16,7 @@ after every optimizer step.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Dict, List
 
@@ -209,6 +210,77 @@ def test_the_lightning_callback_counts_a_step_the_16_mixed_scaler_skipped():
         assert value(s, "gradmon_nonfinite_steps_total") == 0
         held = norms[1] if step == 3 else norms[step - 1]
         assert math.isclose(value(s, "gradmon_grad_global_norm"), held, rel_tol=1e-5), (step, held)
+
+
+class NanBatchAt(Recording):
+    """A NaN in the batch at global step ``at``; AdamW, fused or not."""
+
+    def __init__(self, at: int, fused: bool) -> None:
+        super().__init__()
+        self.at, self.fused = at, fused
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.trainer.global_step == self.at:
+            x = x.clone()
+            x[0, 0] = math.nan
+        return super().training_step((x, y), batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, fused=self.fused)
+
+
+class AroundStep(pl.Callback):
+    """The parameters and optimizer state just before global step ``at`` and just after it."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, {}
+
+    def _copy(self, trainer, module):
+        state = [(k, v.clone() if isinstance(v, torch.Tensor) else v)
+                 for s in trainer.optimizers[0].state.values() for k, v in sorted(s.items())]
+        return [p.detach().clone() for p in module.parameters()], state
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            self.seen["before"] = self._copy(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at + 1:
+            self.seen["after"] = self._copy(trainer, pl_module)
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        (x[0] == y[0] and _same([x[1]], [y[1]])) if isinstance(x, tuple) else
+        (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_the_lightning_callback_with_the_guard_skips_a_nan_batch_of_a_real_fit(fused, tmp_path):
+    """Lightning steps with a closure that runs the backward inside ``optimizer.step``: the
+    guard judges that backward's gradients, before the optimizer updates anything."""
+    from gradmon.integrations.lightning import GradmonCallback
+
+    torch.manual_seed(8)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * STEPS, 8), 3 * torch.randn(8 * STEPS, 4))
+    module = NanBatchAt(3, fused)
+    gm = GradmonCallback(port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
+                         incident_dir=str(tmp_path), name=f"guarded-{fused}")
+    seen, around = ScrapeEachStep(gm), AroundStep(3)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[gm, seen, around], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+
+    (params_before, state_before), (params_after, state_after) = around.seen["before"], around.seen["after"]
+    assert all(torch.equal(a, b) for a, b in zip(params_before, params_after))
+    assert _same(state_before, state_after)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(params_after, module.parameters()))  # later steps applied
+    skipped = [value(s, "gradmon_guard_skipped_steps_total", reason="nonfinite") for _, s in seen.seen]
+    assert skipped == [0, 0, 0, 1, 1, 1]
+    assert [json.loads(line)["reason"] for line in (tmp_path / "exclude.jsonl").read_text().splitlines()] == \
+        ["nonfinite"]
 
 
 def test_the_lightning_callback_ends_a_crashed_fit_as_failed_with_the_exception_type():

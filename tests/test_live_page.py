@@ -368,3 +368,51 @@ def test_a_nonfinite_norm_on_a_step_between_decimated_columns_still_shows_in_its
     column = max(i for i, s in enumerate(heat["steps"]) if s < 701)  # the column whose stride holds step 701
     assert heat["log10"][column] == [H.NONFINITE, 0.0]
     assert sum(col[0] == H.NONFINITE for col in heat["log10"]) == 1 and all(col[1] == 0.0 for col in heat["log10"])
+
+
+def guard_steps(model: torch.nn.Module, steps: int, bad_steps) -> None:
+    """``steps`` SGD steps of ``tiny()`` (numbered from 1), a NaN in the batch of each of ``bad_steps``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, steps + 1):
+        x = torch.randn(3, 4)
+        if step in bad_steps:
+            x[0, 0] = float("nan")
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+HOSTILE = '<img src=x onerror="window.pwned=1">'
+
+
+@pytest.mark.slow
+def test_the_guards_skips_show_by_reason_with_the_latest_step_written_as_text(attach):
+    m = tiny()
+    mon = attach(m, guard="nonfinite", incident_dir="", name=HOSTILE)
+    guard_steps(m, 9, bad_steps=(4, 7))
+    mon.flush()
+    doc = json.loads(get(mon.port, "/api/history")[2])
+    assert doc["guard"] == {"skipped": {"nonfinite": 2},
+                            "last_step": 7, "last_reason": "nonfinite"}
+    browser = Browser()
+    try:
+        browser.open(f"http://127.0.0.1:{mon.port}/")
+        browser.until("document.getElementById('guard') !== null")
+        shown = browser.evaluate("document.getElementById('guard').textContent")
+        assert shown == "steps skipped by the guard 2 (nonfinite 2), latest at step 7: nonfinite", shown
+        assert browser.evaluate("document.querySelector('#guard b').className") == "bad"
+        facts = browser.evaluate("document.getElementById('facts').textContent")
+        assert "model " + HOSTILE in facts  # the name as text, not markup
+        assert browser.evaluate("document.querySelectorAll('img').length") == 0
+        assert browser.evaluate("window.pwned === undefined")
+        assert browser.errors == [], browser.errors
+    finally:
+        browser.close()
+
+
+def test_without_a_guard_the_page_shows_no_skips(attach):
+    m = tiny()
+    mon = attach(m)
+    sgd_steps(m, 2)
+    mon.flush()
+    assert json.loads(get(mon.port, "/api/history")[2])["guard"] is None

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import scrape, value
+from conftest import needs_cuda, scrape, value
 from gradmon import alerting
 from gradmon import metrics as M
 from gradmon import statistics as S
@@ -211,6 +211,23 @@ def test_parameter_gradient_norms_are_exact_for_large_small_and_strided_tensors_
     grads[0][3, 4] = float("nan")
     rows, order = stats.param_grad_stats(grads, torch.device("cpu"))
     assert [float(r[1]) for r, i in zip(rows, order) if i == 0] == [1.0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
+def test_nan_and_inf_counts_of_small_and_large_gradients_are_exact(device):
+    """Small gradients are counted together by segment, large ones each; both exact, on
+    the CPU (where only a non-finite norm is counted) and on a device (counted every step)."""
+    from gradmon.capture import kernels as stats
+
+    torch.manual_seed(0)
+    grads = [torch.randn(n, device=device) for n in (3, 100, 5000, 7, 40000)]
+    for i, j, v in ((1, 5, "nan"), (1, 7, "inf"), (3, 0, "-inf"), (3, 1, "nan"), (3, 2, "nan"), (4, 9, "nan"),
+                    (4, 10, "inf")):
+        grads[i][j] = float(v)
+    rows, order = stats.param_grad_stats(grads, torch.device(device))
+    got = {i: (float(r[1]), float(r[2])) for r, i in zip(rows.cpu(), order)}
+    assert got == {i: (float(torch.isnan(g).sum()), float(torch.isinf(g).sum())) for i, g in enumerate(grads)}
+    assert got[3] == (2.0, 1.0) and got[2] == (0.0, 0.0)
 
 
 def test_padded_rows_match_pad_sequence():

@@ -4,19 +4,16 @@ every rank alike, counted, listed in exclude.jsonl, and given up on after guard_
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from prometheus_client import CollectorRegistry, generate_latest
 from torch import nn
 
 import gradmon
-import guard_worker
 from gradmon import metrics as M
-from servers import free_port
+from conftest import needs_cuda
 from test_no_host_sync import RaiseOnSync
 
 NAN_STEP = 40
@@ -32,16 +29,16 @@ OPTIMIZERS = {
 }
 
 
-def _model() -> nn.Module:
+def _model(device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
 
 
-def _batch(step: int, bad_steps=()) -> torch.Tensor:
+def _batch(step: int, bad_steps=(), device: str = "cpu") -> torch.Tensor:
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
     if step in bad_steps:
         x[3, 2] = float("nan")
-    return x
+    return x.to(device)
 
 
 def _state(opt: torch.optim.Optimizer) -> list:
@@ -55,7 +52,7 @@ def _equal(a, b) -> bool:
         ka == kb and (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb) for (ka, va), (kb, vb) in zip(a, b))
 
 
-def _train(model, opt, mon, steps, bad_steps=(), at=None, ids=False, spike_steps=()):
+def _train(model, opt, mon, steps, bad_steps=(), at=None, ids=False, spike_steps=(), device="cpu"):
     """``steps`` steps; returns (parameters, optimizer state) just before step ``at`` and just
     after it. A step of ``spike_steps`` has a batch whose loss is 50 times the others'."""
     seen = {}
@@ -64,7 +61,7 @@ def _train(model, opt, mon, steps, bad_steps=(), at=None, ids=False, spike_steps
             seen["before"] = ([p.detach().clone() for p in model.parameters()], _state(opt))
         if ids:
             mon.observe(batch=[10 * step, 10 * step + 1])
-        loss = model(_batch(step, bad_steps)).pow(2).mean() * (50.0 if step in spike_steps else 1.0)
+        loss = model(_batch(step, bad_steps, device)).pow(2).mean() * (50.0 if step in spike_steps else 1.0)
         loss.backward()
         mon.observe(loss=loss)
         opt.step()
@@ -74,13 +71,14 @@ def _train(model, opt, mon, steps, bad_steps=(), at=None, ids=False, spike_steps
     return seen
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_a_nan_step_is_skipped_bit_for_bit_and_training_goes_on(kind, tmp_path):
-    model = _model()
+def test_a_nan_step_is_skipped_bit_for_bit_and_training_goes_on(kind, device, tmp_path):
+    model = _model(device)
     opt = OPTIMIZERS[kind](model.parameters())
     with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
                         incident_dir=str(tmp_path), name=f"guard-{kind}") as mon:
-        seen = _train(model, opt, mon, 50, bad_steps=(NAN_STEP,), at=NAN_STEP)
+        seen = _train(model, opt, mon, 50, bad_steps=(NAN_STEP,), at=NAN_STEP, device=device)
         assert mon.flush()
         snap = mon.snapshot()
         errors = sum(mon._errors.counts().values())
@@ -93,6 +91,31 @@ def test_a_nan_step_is_skipped_bit_for_bit_and_training_goes_on(kind, tmp_path):
     assert snap.nonfinite_steps == 1 and errors == 0
     lines = [json.loads(line) for line in (tmp_path / "exclude.jsonl").read_text().splitlines()]
     assert [(line["reason"], line["rank"]) for line in lines] == [(M.GUARD_NONFINITE, 0)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_a_step_with_a_closure_is_judged_on_the_closures_own_backward(kind, device):
+    """``opt.step(closure)`` (as Lightning steps): the backward runs inside the step, after
+    its pre-hook; the NaN it brings is still skipped, and the other steps applied."""
+    model = _model(device)
+    opt = OPTIMIZERS[kind](model.parameters())
+    with gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite",
+                        incident_dir="", name=f"closure-{kind}") as mon:
+        for step in range(12):
+            def closure():
+                opt.zero_grad(set_to_none=True)
+                loss = model(_batch(step, bad_steps=(8,), device=device)).pow(2).mean()
+                loss.backward()
+                return loss
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step(closure)
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert unchanged == (step == 8), step
+        assert mon.flush()
+        assert dict(mon.snapshot().guard_skipped_steps) == {M.GUARD_NONFINITE: 1}
+        assert sum(mon._errors.counts().values()) == 0
+        assert mon._recorder.step_guard.syncs == (0 if kind.endswith("fused") else 12)  # one read a step, unfused
 
 
 def test_without_the_guard_the_nan_step_is_applied(tmp_path):
@@ -201,26 +224,6 @@ def test_gradmon_guard_turns_the_guard_on_from_the_environment(monkeypatch):
         resolve({})
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    work = tmp_path_factory.mktemp("guard-ddp")
-    mp.start_processes(guard_worker.run, args=(2, str(work), free_port()), nprocs=2, join=True, start_method="spawn")
-    return [json.loads((work / f"guard.{rank}.json").read_text()) for rank in range(2)]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["ddp", "local"])
-def test_a_nan_in_one_ranks_batch_is_skipped_by_every_rank(two_ranks, kind):
-    runs = [ranks[kind] for ranks in two_ranks]
-    for run in runs:
-        assert run["before"] == run["at"]  # step 40 changed nothing, on either rank
-        assert run["skipped"] == {M.GUARD_NONFINITE: 1} and run["errors"] == 0
-        assert all(math.isfinite(x) for p in run["after"] for x in torch.tensor(p).flatten().tolist())
-    if kind == "ddp":
-        assert runs[0]["after"] == runs[1]["after"]  # the replicas are still identical
-
-
-
 SPIKE_STEP = 45
 
 
@@ -302,6 +305,69 @@ def test_the_guards_spike_score_skips_nothing_in_the_healthy_runs_of_the_alert_c
         score, above = robust.score(windows, logs[128:])
         spikes = ((score > 6.0) & above).nonzero().flatten() + 128
         assert spikes.tolist() == [], (signal, score.max().item())
+
+
+def _replay_guard(name, steps=None, spike_at=None):
+    """``guard="nonfinite,spike"`` at its defaults, as attach builds it (its device windows,
+    their restart on a learning-rate jump, the decision and its host read), fed each recorded
+    step of ``name`` in order: the gradient rows, the loss (times 50 at ``spike_at``) and the
+    learning rates. Returns the steps replayed and the global steps it skipped."""
+    import sys
+    from types import SimpleNamespace
+    sys.path.insert(0, str(ROOT / "bench" / "instability"))
+    import corpus_files as files
+    import inprocess
+    from gradmon import statistics as S
+    from gradmon.capture.stepguard import StepGuard, StepSignals, modes
+    from gradmon.config import resolve
+
+    cfg = resolve({"guard": "nonfinite,spike"})
+    guard = StepGuard(modes(cfg.guard), cfg.guard_max_skips, cfg.guard_on_persist, (), cfg.guard_spike_z,
+                      cfg.spike_window)
+    rec = files.load(name)
+    packets = inprocess.Packets(rec)
+    values = SimpleNamespace(batched={}, loss=None, scale=None)
+    signals = StepSignals([S.GRAD], values, False, lambda: [])
+    opt = None
+    replayed, skipped = 0, []
+    for i in range(min(len(packets), steps or len(packets))):
+        packet = packets.packet(i)
+        rows = [rows for stat, _, rows in S.read(packet.data.tolist(), packet.sections) if stat is S.GRAD]
+        if opt is None:
+            opt = torch.optim.SGD([{"params": [torch.zeros(1)]} for _ in packet.learning_rates], lr=1.0)
+        for group, lr in zip(opt.param_groups, packet.learning_rates):
+            group["lr"] = lr
+        values.batched = {S.GRAD.name: (torch.tensor(rows[0]),)}
+        loss = float(rec["loss"][packet.global_step - 1]) * (50.0 if packet.global_step == spike_at else 1.0)
+        values.loss = torch.tensor([loss])
+        guard.measured(signals)
+        guard.before_step(opt, signals)
+        guard.after_step(opt)
+        replayed += 1
+        if guard.skipped_on_host:
+            skipped.append(packet.global_step)
+    return replayed, skipped
+
+
+@pytest.mark.parametrize("name", ["cnn-healthy-nowarmup-s0", "lm-healthy-warmup-s0"])
+def test_the_guard_replayed_over_a_healthy_corpus_run_skips_none_of_its_2000_steps(name):
+    replayed, skipped = _replay_guard(name)
+    assert replayed == 2000 and skipped == []
+    assert _replay_guard(name, steps=300, spike_at=250) == (300, [250])  # the same replay sees a 50x loss
+
+
+def test_spike_is_armed_only_once_the_window_is_full_and_again_after_a_restart():
+    from gradmon.capture.stepguard import SpikeWindow
+
+    def verdicts(window, n, spike_at):
+        return [bool(window.push(torch.tensor(50.0 if i == spike_at else 1.0 + 0.01 * (i % 3)))) for i in range(n)]
+
+    assert not any(verdicts(SpikeWindow(32, 6.0), 32, spike_at=31))  # the 32nd value: the window is not full yet
+    assert verdicts(SpikeWindow(32, 6.0), 33, spike_at=32)[32]  # the 33rd: scored against 32, a spike
+    window = SpikeWindow(32, 6.0)
+    verdicts(window, 40, spike_at=None)
+    window.restart()  # a learning-rate jump
+    assert not any(verdicts(window, 32, spike_at=20))
 
 
 def test_the_device_window_and_the_pages_detector_give_the_same_verdicts():

@@ -18,6 +18,7 @@ from gradmon import alerting
 from gradmon.clients import top
 from hostile_servers import RawServer, drip, exposition as hostile_exposition, redirect, respond
 from servers import free_port, running_demo
+from test_live_page import guard_steps
 
 
 class Terminal:
@@ -306,14 +307,14 @@ def test_a_late_start_with_nans_counted_says_not_enough_history_and_never_ok():
 def test_nans_older_than_the_rules_window_are_not_called_ok():
     text = exposition("gradmon_steps_total 900", 'gradmon_rank_nonfinite_total{tensor="grad",kind="nan"} 32')
     shown = frame(text, text, clock=[0.0, top.NONFINITE_WINDOW + 1])
-    assert "none of the 12 local checks fires now, but non-finite values are shown above" in shown
+    assert "none of the 13 local checks fires now, but non-finite values are shown above" in shown
     assert "?? " not in shown and "ok:" not in shown
 
 
 def test_a_nan_reading_without_counts_is_not_called_ok():
     shown = frame(exposition("gradmon_steps_total 900", "gradmon_grad_global_norm NaN"))
     assert "global norm nan" in shown
-    assert "none of the 12 local checks fires now, but non-finite values are shown above" in shown
+    assert "none of the 13 local checks fires now, but non-finite values are shown above" in shown
     assert "ok:" not in shown
 
 
@@ -321,7 +322,7 @@ def test_ok_is_never_printed_beside_a_firing_check():
     th = alerting.Thresholds()
     shown = frame(exposition("gradmon_steps_total 500", f"gradmon_grad_global_norm {th.explode_abs * 2}"))
     assert "!! GradmonGradientExplosion" in shown
-    assert "the other 11 local checks: nothing over their thresholds" in shown and "ok:" not in shown
+    assert "the other 12 local checks: nothing over their thresholds" in shown and "ok:" not in shown
 
 
 def test_history_is_kept_only_for_the_models_the_endpoint_still_shows():
@@ -338,3 +339,41 @@ def test_a_screen_renders_only_the_models_that_fit():
     view.refresh()
     lines = top.render(view, width=100, height=30)
     assert len(lines) == 30 and "model m00000  rank 3" in lines[2]
+
+
+def test_top_in_a_real_terminal_shows_the_guards_skips_by_reason_and_the_latest_step():
+    m = tiny()
+    with gradmon.attach(m, port=0, addr="127.0.0.1", final_scrape_timeout=0, guard="nonfinite", incident_dir="") as mon:
+        guard_steps(m, 9, bad_steps=(4, 7))
+        mon.flush()
+        term = Terminal(f"gradmon-top-guard-{mon.port}", f"{sys.executable} -m gradmon top {mon.port}")
+        try:
+            screen = term.until(lambda s: "model sequential" in s and "local checks" in s, timeout=30)
+            assert "steps skipped by the guard: 2 (nonfinite 2), latest at step 7: nonfinite" in screen, screen
+            assert "?? GradmonGuardSkippedStep: not enough history: 2 step(s) skipped by the guard counted" in screen
+        finally:
+            term.close()
+
+
+def test_the_guards_line_is_absent_without_a_guard_and_escapes_what_the_endpoint_sent():
+    assert "skipped by the guard" not in frame(exposition("gradmon_steps_total 9"))
+    shown = frame(exposition("gradmon_steps_total 9", 'gradmon_guard_skipped_steps_total{reason="nonfinite"} 3',
+                             'gradmon_guard_skipped_steps_total{reason="x\x1b[2J"} 1',
+                             'gradmon_guard_last_skip_step{reason="x\x1b[2J"} 81234'))
+    assert "steps skipped by the guard: 4 (nonfinite 3, x\\x1b[2J 1), latest at step 81234: x\\x1b[2J" in shown
+    assert "\x1b" not in shown
+
+
+def test_a_new_guard_skip_fires_its_check_and_one_older_than_top_says_not_enough_history():
+    before = exposition("gradmon_steps_total 9", 'gradmon_guard_skipped_steps_total{reason="spike"} 0')
+    after = exposition("gradmon_steps_total 10", 'gradmon_guard_skipped_steps_total{reason="spike"} 1',
+                       'gradmon_guard_last_skip_step{reason="spike"} 10')
+    shown = frame(before, after)
+    assert "!! GradmonGuardSkippedStep: 1 optimizer step(s) skipped by the guard in the last 10m" in shown
+    assert "ok:" not in shown
+    late = frame(after)
+    assert "?? GradmonGuardSkippedStep: not enough history: 1 step(s) skipped by the guard counted, none new in the " \
+           "0 s watched (the rule looks back 10m)" in late
+    assert "ok:" not in late
+    quiet = frame(before, before)
+    assert "ok: all 13 local checks pass" in quiet

@@ -286,7 +286,8 @@ class Aggregator:
             amp_loss_scale=last.amp_loss_scale, spike_scores=scores, spike_steps=spike_steps,
             learning_rates=last.learning_rates, rank_nonfinite=layers.rank_nonfinite, worst=layers.worst,
             signal_gauges=signal_gauges(self.spikes, self.divergence),
-            guard_skipped_steps=self.guard.series() if self.guard is not None else ())
+            guard_skipped_steps=self.guard.series() if self.guard is not None else (),
+            guard_last_skip=self.guard.last if self.guard is not None else None)
 
 
 def _folds(statistics: Sequence[Statistic], layers: int, windows: Mapping[str, int], group: Sequence[int],

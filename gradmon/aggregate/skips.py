@@ -62,6 +62,7 @@ class GuardSkips:
         self.max_skips = max_skips
         self.persisted = 0  # runs of bad steps the guard gave up on
         self.first_skip: Optional[int] = None  # the global step of the first skip since attach
+        self.last: Optional[Tuple[str, int]] = None  # (reason, global step) of the latest skip since attach
         self._on_persist = on_persist
         self._exclude = exclude
         self._ids = ids
@@ -75,6 +76,7 @@ class GuardSkips:
         if reason is not None:
             self.skipped[reason] = self.skipped.get(reason, 0) + 1
             self._reason = reason
+            self.last = (reason, global_step)
             if self.first_skip is None:
                 self.first_skip = global_step
                 if self._bundle is not None:

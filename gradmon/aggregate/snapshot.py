@@ -96,6 +96,7 @@ class Snapshot:
     worst: Tuple[Worst, ...] = ()
     signal_gauges: Tuple[SignalGauge, ...] = ()
     guard_skipped_steps: Tuple[Tuple[str, int], ...] = ()  # (reason, steps); empty without a guard
+    guard_last_skip: Optional[Tuple[str, int]] = None  # (reason, global step) of the latest skip; None before one
 
     @property
     def global_norm(self) -> Optional[float]:

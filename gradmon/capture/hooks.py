@@ -54,7 +54,7 @@ from .packet import GlobalStepUpdate, StepPacket
 from .params import ParamSlots
 from .passes import BackwardPasses, graph_task_id
 from .records import KEEP_SCRATCH_EVERY, StepRecords
-from .stepguard import StepGuard, StepSignals
+from .stepguard import StepGuard, StepSignals, stepped_with_closure
 from .traced import TracedSlots
 from .values import StepValues
 
@@ -216,6 +216,8 @@ class Recorder:
                 self._values.read_scale()
                 self._step.fire(Event.BACKWARD)  # even if measuring fails: the step must still count
                 self._measure_grads()
+        if self.step_guard is not None and self.step_guard.deferred_measured():
+            self._guard_step(self.step_guard.take_deferred())  # inside step(closure): its gradients exist now
 
     def _measure_grads(self) -> None:
         self._params_now = params = self.current_params()
@@ -263,7 +265,10 @@ class Recorder:
                 if self._values.batched:
                     self._params.measured_unseen()
         if self.step_guard is not None:
-            self._guard_step(opt)
+            if stepped_with_closure(opt, args, kwargs):  # Lightning, LBFGS: the closure's backward is still to come
+                self.step_guard.defer(opt)
+            else:
+                self._guard_step(opt)
 
     def _guard_step(self, opt: torch.optim.Optimizer) -> None:
         """The step guard's decision, applied to ``opt`` before it steps. Its collective
@@ -277,6 +282,8 @@ class Recorder:
     def on_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
             if self.step_guard is not None and self._active and self._owners.owns(opt):
+                if self.step_guard.take_deferred() is opt:  # a closure without a backward: agree all the same
+                    self._guard_step(opt)
                 self.step_guard.after_step(opt)  # before anything reads the optimizer's flag or gradients
             if not self._active or not self._owners.owns(opt) or not self._step.measured:
                 return

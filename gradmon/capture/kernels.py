@@ -322,13 +322,13 @@ def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple
 def param_norms(weights: Sequence[torch.Tensor], home: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:
     """(an (n, 1) tensor of L2 norms on ``home``, row order): each parameter's own norm,
     reduced as :func:`param_grad_stats` reduces a gradient's."""
-    return _grouped_rows(weights, home, lambda group, norms, ship: norms.to(ship).unsqueeze(1))
+    return _grouped_rows(weights, home, lambda group, norms, ship, small: norms.to(ship).unsqueeze(1))
 
 
 def _grouped_rows(tensors: Sequence[torch.Tensor], home: torch.device,
-                  columns: Callable[[Sequence[torch.Tensor], torch.Tensor, torch.dtype], torch.Tensor]
+                  columns: Callable[[Sequence[torch.Tensor], torch.Tensor, torch.dtype, bool], torch.Tensor]
                   ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
-    """The rows ``columns(group, its norms, ship dtype)`` makes of each group of ``tensors``
+    """The rows ``columns(group, its norms, ship dtype, small)`` makes of each group of ``tensors``
     that one kernel reduces (:func:`_groups`), on ``home``, and the order of their rows."""
     numels = list(map(torch.Tensor.numel, tensors))
     ship = _ship_dtype(home)
@@ -336,17 +336,21 @@ def _grouped_rows(tensors: Sequence[torch.Tensor], home: torch.device,
     order: List[int] = []
     for (_device, dtype, small), idx in _groups(tensors, numels).items():
         group = [tensors[i] for i in idx]
-        blocks.append(columns(group, _norms(group, dtype, small), ship).to(home, non_blocking=True))
+        blocks.append(columns(group, _norms(group, dtype, small), ship, small).to(home, non_blocking=True))
         order.extend(idx)
     rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return rows, tuple(order)
 
 
-def _norms_and_counts(group: Sequence[torch.Tensor], norms: torch.Tensor, ship: torch.dtype) -> torch.Tensor:
+def _norms_and_counts(group: Sequence[torch.Tensor], norms: torch.Tensor, ship: torch.dtype, small: bool
+                      ) -> torch.Tensor:
     if _host_says_finite(norms):
         counts = torch.zeros((len(group), 2), dtype=ship, device=norms.device)
-    else:
-        counts = torch.stack([_counts(g) for g in group]).to(ship)
+    elif small and len(group) > 1:
+        counts = _segment_counts(group, ship)
+    else:  # two stacks for the group, not one per tensor
+        counts = torch.stack([torch.stack([torch.isnan(g).sum() for g in group]),
+                              torch.stack([torch.isinf(g).sum() for g in group])], dim=1).to(ship)
     return torch.cat((norms.to(ship).unsqueeze(1), counts), dim=1)
 
 
@@ -391,6 +395,8 @@ def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool) -> to
     return torch.stack([_l2(g) for g in group])
 
 
+# Every segment_reduce here passes unsafe=True: the checked form validates the lengths
+# with .item(), a host sync on CUDA, and gradmon builds its lengths itself.
 def _flat(group: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(one 1-D copy of every tensor of ``group``, in order; their lengths on its device).
     One C++ call however many tensors: no Python and no kernel dispatch per tensor."""
@@ -404,12 +410,22 @@ def _lengths(lengths: Tuple[int, ...], device: torch.device) -> torch.Tensor:
     return host_values(lengths, device, torch.int64)
 
 
+def _segment_counts(group: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """(n, 2) [NaN, Inf] counts of small tensors: their one flat copy counted by segment,
+    a handful of kernels where counting each tensor costs five. On an accelerator, which
+    cannot skip counting finite gradients without a host read, this runs every step.
+    Exact: a small tensor holds fewer elements than float32 counts exactly."""
+    flat, lengths = _flat(group)
+    return torch.stack([torch.segment_reduce(mask.to(dtype), "sum", lengths=lengths, unsafe=True)
+                        for mask in (torch.isnan(flat), torch.isinf(flat))], dim=1)
+
+
 def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norms of small float32/float64 tensors: squared in their own dtype, so that they
     overflow as :func:`_l2` and vector_norm do (a finite norm proves a tensor finite, and
     a float32 norm past float32's range is Inf whichever path took it), summed in float64."""
     flat, lengths = _flat(group)
-    return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths).sqrt_()
+    return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
 
 
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
@@ -443,8 +459,8 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
             if any(split):
                 lo, hi = _by_rows(flat, group, split, batch, idx, rows)  # type: ignore[arg-type]
             else:
-                lo = torch.segment_reduce(flat, "min", lengths=lengths)
-                hi = torch.segment_reduce(flat, "max", lengths=lengths)
+                lo = torch.segment_reduce(flat, "min", lengths=lengths, unsafe=True)
+                hi = torch.segment_reduce(flat, "max", lengths=lengths, unsafe=True)
         else:
             made = [extremes(t, batch) if cut else (*torch.aminmax(t), None)
                     for t, cut in zip(group, split)]
@@ -466,11 +482,12 @@ def _by_rows(flat: torch.Tensor, group: Sequence[torch.Tensor], split: Sequence[
     per tensor, not over the data). Appends where each split tensor's rows lie in the
     group's one (segments, 2) block of [min, max]."""
     segments, counts, starts = _row_layout(tuple(map(torch.Tensor.numel, group)), tuple(split), batch, flat.device)
-    lo = torch.segment_reduce(flat, "min", lengths=segments)
-    hi = torch.segment_reduce(flat, "max", lengths=segments)
+    lo = torch.segment_reduce(flat, "min", lengths=segments, unsafe=True)
+    hi = torch.segment_reduce(flat, "max", lengths=segments, unsafe=True)
     block = torch.stack((lo, hi), dim=1)
     rows.extend((i, block, start) for i, cut, start in zip(idx, split, starts) if cut)
-    return torch.segment_reduce(lo, "min", lengths=counts), torch.segment_reduce(hi, "max", lengths=counts)
+    return (torch.segment_reduce(lo, "min", lengths=counts, unsafe=True),
+            torch.segment_reduce(hi, "max", lengths=counts, unsafe=True))
 
 
 @functools.lru_cache(maxsize=64)

@@ -389,7 +389,11 @@ def _adam_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
         floor, scale = torch._foreach_clamp_min(root, eps * bc2 ** 0.5), bc2
     if "v" in t:
         root = torch._foreach_sqrt(t["v"])  # amsgrad steps with max_exp_avg_sq
-    torch._foreach_add_(root, eps * bc2 ** 0.5)
+    shift = eps * bc2 ** 0.5
+    if isinstance(shift, torch.Tensor):  # alpha picks the Tensor overload: else a host read of the shift
+        torch._foreach_add_(root, shift, alpha=1)
+    else:
+        torch._foreach_add_(root, shift)
     a = torch._foreach_div(t["m"], root)
     del root
     k = bc2 ** 0.5 / bc1

@@ -92,6 +92,8 @@ class StepGuard:
         self._hidden: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient) hidden for the step
         self._installed: Optional[Tuple[Any, Optional[torch.Tensor], torch.Tensor]] = None
         self.skipped_on_host = False  # the host read said: this step was skipped
+        self._deferred: Optional[torch.optim.Optimizer] = None  # stepping with a closure, its backward to come
+        self._deferred_measured = False  # ... and that backward has measured
         self.persisted = False  # the publisher saw a run past max_skips (a fused optimizer's, read nowhere else)
 
     # -- at each measurement -----------------------------------------------------------
@@ -103,6 +105,20 @@ class StepGuard:
         self.skipped_on_host = False
         bad = signals.nonfinite() if NONFINITE in self.wanted else None
         self._local = bad.float() * CODES[NONFINITE] if bad is not None else None  # a spike is scored at the step
+        self._deferred_measured = self._deferred is not None
+
+    def defer(self, opt: torch.optim.Optimizer) -> None:
+        """``opt.step(closure)``: the gradients to judge come from the closure's backward,
+        inside the step; the decision waits for it (the recorder calls :meth:`before_step`
+        when it has measured, before the optimizer updates anything)."""
+        self._deferred, self._deferred_measured = opt, False
+
+    def deferred_measured(self) -> bool:
+        return self._deferred is not None and self._deferred_measured
+
+    def take_deferred(self) -> Optional[torch.optim.Optimizer]:
+        opt, self._deferred, self._deferred_measured = self._deferred, None, False
+        return opt
 
     # -- at the optimizer's step ---------------------------------------------------------
 
@@ -250,7 +266,11 @@ class StepSignals:
     def __init__(self, statistics: Sequence[Any], values: Any, sharded: bool,
                  params: Callable[[], Sequence[Optional[torch.Tensor]]]) -> None:
         judged = [(st.name, count_columns(st.columns)) for st in statistics if count_columns(st.columns)]
-        self._name, self._counts = judged[0] if judged else (None, ())
+        self._name, counts = judged[0] if judged else (None, ())
+        # columns as slices: indexing with a list would copy it to the device, a host sync on CUDA
+        self._counts = [slice(c, c + 1) for c in counts]
+        if counts and tuple(counts) == tuple(range(counts[0], counts[0] + len(counts))):
+            self._counts = [slice(counts[0], counts[0] + len(counts))]
         self._values, self._sharded, self._params = values, sharded, params
 
     def _rows(self) -> Optional[torch.Tensor]:
@@ -260,7 +280,9 @@ class StepSignals:
     def nonfinite(self) -> Optional[torch.Tensor]:
         """Whether any gradient element is NaN or Inf, a 0-d bool on the device (None: not measured)."""
         rows = self._rows()
-        return rows[:, list(self._counts)].sum() > 0 if rows is not None else None
+        if rows is None or not self._counts:
+            return None
+        return sum(rows[:, cut].sum() for cut in self._counts) > 0
 
     def spiking(self) -> Dict[str, Optional[torch.Tensor]]:
         """This step's loss and unscaled global gradient norm on the device (None: unknown;
@@ -275,6 +297,13 @@ class StepSignals:
             if p is not None:
                 return sharded.local(p).device
         return torch.device("cpu")
+
+
+def stepped_with_closure(opt: torch.optim.Optimizer, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """An optimizer step's pre-hook arguments (``args`` begin with the optimizer itself)
+    hold a closure: ``step(closure)`` or ``step(closure=...)``."""
+    positional = args[1:] if args and args[0] is opt else args
+    return callable(kwargs.get("closure", positional[0] if positional else None))
 
 
 def global_norm(rows: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:

@@ -42,10 +42,11 @@ from .fetch import mask_credentials
 from .sanitize import clean
 
 DEFAULT_URL = "http://127.0.0.1:9400/metrics"
-HISTORY_SECONDS = 300.0
-"""How long readings are kept: the sparkline shows the last minute, the non-finite check
-looks back five minutes like the rule's window."""
 NONFINITE_WINDOW = PRODUCTION.nonfinite_window
+GUARD_WINDOW = PRODUCTION.guard_window
+HISTORY_SECONDS = max(300.0, NONFINITE_WINDOW, GUARD_WINDOW)
+"""How long readings are kept: the sparkline shows the last minute, the non-finite and guard
+checks look back as far as their rules' windows."""
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_ASCII = "_.-=+*#@"
 KEY_WAIT_MS = 100
@@ -220,6 +221,7 @@ class Reading:
     steps: Optional[float]
     global_norm: Optional[float]
     nonfinite: float
+    guard_skipped: float = 0.0
 
 
 class View:
@@ -251,7 +253,8 @@ class View:
         for key, t in self.targets.items():
             readings = self.history[key]
             readings.append(Reading(scrape.at, t.value(M.exposed_names(M.STEPS)[0]),
-                                    t.value(M.GRAD_GLOBAL_NORM.name), _nonfinite_total(t)))
+                                    t.value(M.GRAD_GLOBAL_NORM.name), _nonfinite_total(t),
+                                    t.total(M.exposed_names(M.GUARD_SKIPPED_STEPS)[0])))
             # one reading at or before the window's start stays: it says the window was watched whole
             while len(readings) > 1 and readings[1].at <= scrape.at - HISTORY_SECONDS:
                 readings.popleft()
@@ -356,15 +359,26 @@ def _nonfinite(t: Target, readings: Sequence[Reading], th: Thresholds) -> List[s
     return [f"{_int(new)} new NaN/Inf elements" + (f" (started: {origin})" if origin else "")]
 
 
-def _nonfinite_unsure(t: Target, readings: Sequence[Reading], th: Thresholds) -> Optional[str]:
-    """Elements counted, none new while watched: the rule looks back further than top has
+def _unsure(count: Callable[[Reading], float], total: Callable[[Target], float], what: str, window: float):
+    """Counted, none new while watched: the rule looks back ``window``, further than top has
     (a late start, or ``--once``), so whether it fires is not known here."""
-    counted = readings[-1].nonfinite if readings else _nonfinite_total(t)
-    watched = readings[-1].at - readings[0].at if readings else 0.0
-    if counted > 0 and watched < NONFINITE_WINDOW:
-        return (f"not enough history: {_int(counted)} NaN/Inf elements counted, none new in the {watched:.0f} s "
-                f"watched (the rule looks back {dur(NONFINITE_WINDOW)})")
-    return None
+    def unsure(t: Target, readings: Sequence[Reading], th: Thresholds) -> Optional[str]:
+        counted = count(readings[-1]) if readings else total(t)
+        watched = readings[-1].at - readings[0].at if readings else 0.0
+        if counted > 0 and watched < window:
+            return (f"not enough history: {_int(counted)} {what} counted, none new in the {watched:.0f} s "
+                    f"watched (the rule looks back {dur(window)})")
+        return None
+    return unsure
+
+
+_nonfinite_unsure = _unsure(lambda r: r.nonfinite, _nonfinite_total, "NaN/Inf elements", NONFINITE_WINDOW)
+
+
+def _guard_skipped(t: Target, readings: Sequence[Reading], th: Thresholds) -> List[str]:
+    recent = [r.guard_skipped for r in readings if r.at >= readings[-1].at - GUARD_WINDOW] if readings else []
+    new = _increase(recent)
+    return [f"{_int(new)} optimizer step(s) skipped by the guard in the last {dur(GUARD_WINDOW)}"] if new > 0 else []
 
 
 def _explosion(t: Target, _: Sequence[Reading], th: Thresholds) -> List[str]:
@@ -400,6 +414,9 @@ def _loss_scale(t: Target, _: Sequence[Reading], th: Thresholds) -> List[str]:
 
 CHECKS: Tuple[Check, ...] = (
     Check("GradmonNonFiniteGradients", _nonfinite, _nonfinite_unsure),
+    Check("GradmonGuardSkippedStep", _guard_skipped, _unsure(
+        lambda r: r.guard_skipped, lambda t: t.total(M.exposed_names(M.GUARD_SKIPPED_STEPS)[0]),
+        "step(s) skipped by the guard", GUARD_WINDOW)),
     Check("GradmonRunFailed", _failed),
     Check("GradmonGradientExplosion", _explosion),
     Check("GradmonVanishingGradients", _vanishing),
@@ -499,10 +516,22 @@ def _render_target(view: View, key: Tuple[str, str], chars: str) -> List[str]:
               for have, v in t.samples.get(M.NONFINITE_ORIGIN.name, ())]
     lines.append("non-finite elements: " + ("  ".join(f"{k} {_int(v)}" for k, v in sorted(counts.items())) or "-")
                  + (f"  (started in {'; '.join(origin)})" if origin else ""))
+    lines += _guard_line(t)
     shown = [norm, t.value(M.LOSS.name), *t.by_layer(M.GRAD_NORM.name).values()]
     seen = (bool(origin) or any(v != 0 for v in counts.values()) or _nonfinite_total(t) != 0
             or any(v is not None and not math.isfinite(v) for v in shown))
     return lines + _check_lines(t, readings, view.thresholds, seen)
+
+
+def _guard_line(t: Target) -> List[str]:
+    """The step guard's skips by reason and its latest skip; nothing without a guard."""
+    skipped = [(have.get("reason", ""), v) for have, v in t.samples.get(M.exposed_names(M.GUARD_SKIPPED_STEPS)[0], ())]
+    if not skipped:
+        return []
+    last = [(have.get("reason", ""), v) for have, v in t.samples.get(M.GUARD_LAST_SKIP_STEP.name, ())]
+    return [f"steps skipped by the guard: {_int(sum(v for _, v in skipped))} ("
+            + ", ".join(f"{reason} {_int(v)}" for reason, v in sorted(skipped)) + ")"
+            + "".join(f", latest at step {_int(v)}: {reason}" for reason, v in last[:1])]
 
 
 def _layer_table(norms: Dict[str, float]) -> List[str]:

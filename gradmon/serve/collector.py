@@ -129,6 +129,8 @@ def add_view(fam: _Families, view: ExportView) -> None:
             fam.add(spec, _with(base, signal=signal), value)
     for reason, count in s.guard_skipped_steps:
         fam.add(M.GUARD_SKIPPED_STEPS, _with(base, reason=reason), count)
+    if s.guard_last_skip is not None:
+        fam.add(M.GUARD_LAST_SKIP_STEP, _with(base, reason=s.guard_last_skip[0]), s.guard_last_skip[1])
     for spec, signal, value in s.signal_gauges:
         fam.add(spec, _with(base, signal=signal), value)
     for tensor, layer, step in s.nonfinite_origin:

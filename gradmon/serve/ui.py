@@ -102,10 +102,20 @@ def _model(view: Any, since: Optional[int]) -> Dict[str, Any]:
         "loss": _finite(s.loss), "learning_rates": [_finite(lr) for lr in s.learning_rates],
         "nonfinite_steps": s.nonfinite_steps, "nonfinite": counts,
         "origin": [{"tensor": t, "layer": layer, "step": step} for t, layer, step in s.nonfinite_origin],
+        "guard": _guard(s),
         "activations": [{"layer": layer, "abs_max": _finite(v), "fp16_range_used": _finite(fp16.get(layer))}
                         for layer, v in worst],
         "history": view.history.document(since) if view.history is not None else None,
     }
+
+
+def _guard(s: Any) -> Optional[Dict[str, Any]]:
+    """The step guard's skips by reason and its latest skip; None without a guard."""
+    if not s.guard_skipped_steps:
+        return None
+    last = s.guard_last_skip
+    return {"skipped": dict(s.guard_skipped_steps), "last_step": last[1] if last else None,
+            "last_reason": last[0] if last else None}
 
 
 def _fit(doc: Dict[str, Any]) -> bytes:

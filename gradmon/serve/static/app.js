@@ -145,8 +145,20 @@
       fact("global norm", fmt(doc.global_norm)), fact("loss", fmt(doc.loss)), fact("learning rate", lr || "–"),
       fact("steps with NaN/Inf", String(doc.nonfinite_steps), doc.nonfinite_steps > 0),
     ];
+    if (doc.guard) items.push(guard(doc.guard));
     $("facts").replaceChildren(...items);
     text($("status"), "read at " + new Date(doc.time * 1000).toLocaleTimeString());
+  }
+
+  // the step guard's skips: each reason's count, and where the latest one was
+  function guard(g) {
+    const counts = Object.entries(g.skipped);
+    const total = counts.reduce((sum, [, n]) => sum + n, 0);
+    const latest = g.last_step === null ? "" : ", latest at step " + g.last_step + ": " + g.last_reason;
+    const value = total + " (" + counts.map(([reason, n]) => reason + " " + n).join(", ") + ")" + latest;
+    const span = fact("steps skipped by the guard", value, total > 0);
+    span.id = "guard";
+    return span;
   }
 
   function row(cells, bad) {

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA device, in one run sized for a short GPU lease (the device
+# tool runs it from the repository root; logs go to $OUT, or ./gpu-checks-out):
+#   1. the CUDA tests (pytest -m cuda): no host sync under set_sync_debug_mode("error") on
+#      the eager, compiled, guard and black-box paths; the guard's bit-exact skip; compiled
+#      statistics equal eager on Inductor's GPU kernels;
+#   2. kernel launches gradmon adds per step (profiler), eager and compiled;
+#   3. bench_overhead's ratios on a GPT-2-small-sized model in bf16 with fused AdamW:
+#      defaults, the guard, and the compiled pair.
+# Each part has its own time limit, so one that hangs still leaves the others' figures.
+set -u
+out=${OUT:-gpu-checks-out}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+limit=${GPU_CHECK_LIMIT:-1}  # scale every part's time limit
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout $(( secs * limit )) "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-14}" "$out/$name.log"
+}
+nvidia-smi -L; $py -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, torch.cuda.get_device_name())'
+part tests 90 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_host_sync.py tests/test_stepguard.py tests/test_compile.py tests/test_statistics.py
+common=(--device cuda --size gpt2 --bf16 --fused)
+part overhead 190 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead.json"
+TAIL=70 part launches 110 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled
