@@ -257,6 +257,24 @@ def test_the_block_check_by_batch_rows_gives_each_outputs_extremes_and_its_rows_
     assert flagged == {0: [2], 2: [3]}  # `other` has 3 rows, not the batch's 4: no rows
 
 
+def test_a_finite_cpu_output_is_read_once_whole_and_by_rows_only_where_it_is_not_finite(monkeypatch):
+    from gradmon.capture import kernels as stats
+    by_row: list = []
+    for name in ("amin", "amax"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _name=name, **k: by_row.append(_name) or _real(self, *a, **k))
+    torch.manual_seed(0)
+    x = torch.randn(4, 2 ** 15)
+    lo, hi, rows = stats.extremes(x, 4)
+    assert (lo.item(), hi.item()) == (x.min().item(), x.max().item())
+    assert rows.shape == (4, 2) and torch.isfinite(rows).all() and by_row == []
+    x[3, 7] = float("nan")
+    lo, hi, rows = stats.extremes(x, 4)
+    assert math.isnan(lo.item()) and math.isnan(hi.item()) and by_row == ["amin", "amax"]
+    assert (~torch.isfinite(rows)).any(dim=1).nonzero().reshape(-1).tolist() == [3]
+
+
 @pytest.mark.parametrize("root, inputs, size", [
     (torch.nn.Linear(4, 4), (torch.zeros(6, 4),), 6),
     (torch.nn.GRU(4, 4), (torch.zeros(5, 6, 4),), None),
