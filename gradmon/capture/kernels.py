@@ -122,14 +122,15 @@ def extremes(x: torch.Tensor, batch: Optional[int] = None) -> Tuple[torch.Tensor
     the whole tensor), where the two reductions cost about one pass each."""
     if batch is None:
         return torch.aminmax(x.detach())
-    by_row = x.detach().reshape(batch, -1)
-    if by_row.device.type == "cpu":
-        lo, hi = torch.aminmax(by_row)
+    x = x.detach()
+    if x.device.type == "cpu":
+        lo, hi = torch.aminmax(x)
         if _host_says_finite(lo) and _host_says_finite(hi):
-            return lo, hi, torch.zeros((batch, 2), dtype=by_row.dtype)
+            return lo, hi, torch.zeros((batch, 2), dtype=x.dtype)
+        by_row = x.reshape(batch, -1)
         lo, hi = by_row.amin(dim=1), by_row.amax(dim=1)
     else:
-        lo, hi = torch.aminmax(by_row, dim=1)
+        lo, hi = torch.aminmax(x.reshape(batch, -1), dim=1)
     return lo.min(), hi.max(), torch.stack((lo, hi), dim=1)
 
 
