@@ -367,3 +367,33 @@ def test_optimizer_sample_reaches_the_reading_and_zero_reads_every_element(attac
         if sample:
             assert got != pytest.approx(want, rel=1e-4)  # 4,096 of 524,288 elements: visibly an estimate
         mon.detach()
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam_l2", "adam_amsgrad", "adamw_amsgrad_maximize"])
+@pytest.mark.parametrize("sample", [0, 16384], ids=["whole", "sampled"])
+def test_step_counts_kept_on_the_device_are_read_in_one_batch_with_the_same_sums(name, sample, monkeypatch):
+    """Fused and capturable Adam keep each parameter's step count on the device, which
+    cannot be compared without a sync. They are read together all the same (each piece
+    with its own bias corrections), not a batch per parameter: here the CPU counts are
+    kept as tensors, as a device's are, and every parameter's sums equal the host path's."""
+    model = _bench_gpt(1)
+    opt = OPTIMIZERS[name](list(model.parameters()))
+    _train_gpt(model, opt, 3)
+    p0 = next(iter(model.parameters()))
+    opt.state[p0]["step"] = opt.state[p0]["step"] - 1  # one count differs: a piece's own corrections
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, 2048, (4, 65), generator=g)
+    torch.nn.functional.cross_entropy(model(data[:, :-1]).reshape(-1, 2048), data[:, 1:].reshape(-1)).backward()
+    opt.step()
+    params, home = list(model.parameters()), torch.device("cpu")
+    on_host = O.read(opt, params, home, sample)
+    with monkeypatch.context() as m:
+        m.setattr(O, "_host_step", lambda step: step)  # as a device's: a tensor, never read
+        batches = O._batches(opt, params, True, sample)
+        on_device = O.read(opt, params, home, sample)
+    host_batches = O._batches(opt, params, True, sample)
+    assert len(batches) <= len(host_batches) < len(params)  # not one per parameter
+    assert all(b.steps and b.step is None for b in batches)
+    for got, want in ((on_device.update, on_host.update), (on_device.adam, on_host.adam)):
+        assert got[1] == want[1]
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)

@@ -74,7 +74,9 @@ class _Batch:
     """Pieces of parameters of one param group (and one step count) read together:
     ``sampled`` pieces (a (runs, RUN) view of each tensor the rule needs, for a parameter
     above the sample size), ``small`` ones (a whole parameter of at most :data:`SMALL`
-    elements) and ``whole`` ones (a flat view of a parameter, or of a chunk of it)."""
+    elements) and ``whole`` ones (a flat view of a parameter, or of a chunk of it).
+    Step counts on a device cannot be compared without a sync: such parameters are read
+    together all the same, ``step`` None and each one's count in ``steps``."""
 
     group: Dict[str, Any]
     step: Any
@@ -84,11 +86,20 @@ class _Batch:
     small: List[Tuple[int, Dict[str, torch.Tensor]]] = field(default_factory=list)
     whole: List[Tuple[int, Dict[str, torch.Tensor]]] = field(default_factory=list)
     numel: int = 0
+    steps: Dict[int, torch.Tensor] = field(default_factory=dict)
+    """Each parameter's step count on the device, by position in ``params`` (else empty)."""
 
     @property
     def owners(self) -> List[int]:
         """Position in ``params`` of each piece, in the order of the rows of :meth:`tensors`."""
         return [j for j, _, _ in self.sampled] + [j for j, _ in self.small] + [j for j, _ in self.whole]
+
+    def step_pieces(self) -> List[torch.Tensor]:
+        """The device step counts as the pieces of :meth:`tensors` are laid out, in float64:
+        an (n, 1) column for a block of n parameters' rows, a 0-d tensor for a whole piece."""
+        out = [torch.stack([self.steps[j] for j in rows]).double().reshape(-1, 1)
+               for rows in ([j for j, _, _ in self.sampled], [j for j, _ in self.small]) if rows]
+        return out + [self.steps[j].double() for j, _ in self.whole]
 
     @property
     def weights(self) -> Optional[List[float]]:
@@ -225,13 +236,16 @@ def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam
     open_: Dict[Hashable, _Batch] = {}
     done: List[_Batch] = []
 
-    def batch_for(key: Hashable, group: Dict[str, Any], step: Any, names: Tuple[str, ...], size: int) -> _Batch:
+    def batch_for(key: Hashable, group: Dict[str, Any], step: Any, names: Tuple[str, ...], size: int,
+                  j: int, counted: Optional[torch.Tensor]) -> _Batch:
         batch = open_.get(key)
         if batch is None or batch.numel + size > CHUNK:
             if batch is not None:
                 done.append(batch)
             batch = open_[key] = _Batch(group, step, names)
         batch.numel += size
+        if counted is not None:
+            batch.steps[j] = counted
         return batch
 
     for j, p in enumerate(params):
@@ -245,13 +259,14 @@ def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam
         if tensors is None:
             continue
         step = _host_step(state["step"]) if is_adam else None
-        # a step count on the device cannot be compared without a sync: its own batch
-        key = (k, step if not isinstance(step, torch.Tensor) else id(step), p.device,
-               torch.promote_types(p.dtype, torch.float32), tuple(tensors))
+        on_device = isinstance(step, torch.Tensor)  # its value unknown here: one batch for all such
+        key = (k, "device" if on_device else step, p.device, torch.promote_types(p.dtype, torch.float32),
+               tuple(tensors))
+        counted, step = (step, None) if on_device else (None, step)
         numel = p.numel()
         if 0 < sample < numel:
             runs, step_ = stats.sample_runs(tuple(p.shape), numel, sample)
-            batch = batch_for(key, group, step, tuple(tensors), runs * stats.RUN)
+            batch = batch_for(key, group, step, tuple(tensors), runs * stats.RUN, j, counted)
             # a contiguous tensor is strided over as it is (a reshape first is a call per tensor)
             views = {name: (t if t.is_contiguous() else t.reshape(-1)).as_strided((runs, stats.RUN), (step_, 1))
                      for name, t in tensors.items()}
@@ -263,11 +278,11 @@ def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam
         # otherwise cost a reshape call each (docs/benchmark.md, "Kernel choices")
         flat = {name: t if t.dim() == 1 else t.reshape(-1) for name, t in tensors.items()}
         if numel <= SMALL:
-            batch_for(key, group, step, tuple(tensors), SMALL).small.append((j, flat))
+            batch_for(key, group, step, tuple(tensors), SMALL, j, counted).small.append((j, flat))
             continue
         for start in range(0, numel, CHUNK):
             size = min(CHUNK, numel - start)
-            batch = batch_for(key, group, step, tuple(tensors), size)
+            batch = batch_for(key, group, step, tuple(tensors), size, j, counted)
             batch.whole.append((j, {name: t[start:start + size] for name, t in flat.items()}))
     return done + list(open_.values())
 
@@ -291,7 +306,10 @@ def _nonzero(c: Any) -> bool:
 
 
 def _axpy(x: List[torch.Tensor], y: List[torch.Tensor], alpha: Any) -> List[torch.Tensor]:
-    """x + alpha·y: one pass over memory when alpha is a number, two for a tensor."""
+    """x + alpha·y: one pass over memory when alpha is a number, two for a tensor; a list
+    gives each piece its own alpha."""
+    if isinstance(alpha, list):
+        return [xi + yi * ai for xi, yi, ai in zip(x, y, alpha)]
     if isinstance(alpha, torch.Tensor):
         out = torch._foreach_mul(y, alpha)
         torch._foreach_add_(out, x)
@@ -376,31 +394,42 @@ def _adam_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
     beta1, beta2 = group["betas"]
     eps, wd = group["eps"], group.get("weight_decay", 0)
     decoupled = group.get("decoupled_weight_decay", False)
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
     lr, maximize = group["lr"], group.get("maximize", False)
     # The bias corrections stay out of the element-wise passes: m̂/(√v̂+ε) = k·m/(√v+ε√bc2)
     # with k = √bc2/bc1, and g'²/max(v̂, ε²) = bc2·(g'/max(√v, ε√bc2))².
     root = torch._foreach_sqrt(t["v2"])
-    if isinstance(bc2, torch.Tensor):  # a device step: no tensor clamp bound, one more pass
-        floor, scale = torch._foreach_div(t["v2"], bc2), 1.0
+    if batch.steps or isinstance(beta2, torch.Tensor):
+        # on the device (step counts, betas): never read, so no clamp bound and one more
+        # pass; each piece's own corrections, a column for a block's rows
+        steps = batch.step_pieces() if batch.steps else [step] * len(root)
+        bc1 = [1 - beta1 ** s for s in steps]
+        bc2 = [1 - beta2 ** s for s in steps]
+        # (float64 corrections, applied in each piece's own dtype as a number would be)
+        floor, scale = [v / b.to(v.dtype) for v, b in zip(t["v2"], bc2)], 1.0
         torch._foreach_clamp_min_(floor, eps * eps)
         torch._foreach_sqrt_(floor)
+        shift: Any = [(eps * b.sqrt()).to(r.dtype) for b, r in zip(bc2, root)]
+        k: Any = [b2.sqrt() / b1 for b1, b2 in zip(bc1, bc2)]
+        # one value per row of _dots: a piece's k spread over its rows
+        k_rows = torch.cat([x.reshape(-1).expand(p.shape[0] if p.dim() == 2 else 1) for x, p in zip(k, root)])
     else:
+        bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
         floor, scale = torch._foreach_clamp_min(root, eps * bc2 ** 0.5), bc2
+        shift = eps * bc2 ** 0.5
+        k = k_rows = bc2 ** 0.5 / bc1
     if "v" in t:
         root = torch._foreach_sqrt(t["v"])  # amsgrad steps with max_exp_avg_sq
-    shift = eps * bc2 ** 0.5
-    if isinstance(shift, torch.Tensor):  # alpha picks the Tensor overload: else a host read of the shift
-        torch._foreach_add_(root, shift, alpha=1)
+    if isinstance(shift, list):
+        root = [r + x for r, x in zip(root, shift)]
     else:
         torch._foreach_add_(root, shift)
     a = torch._foreach_div(t["m"], root)
     del root
-    k = bc2 ** 0.5 / bc1
-    moved, weight = _update_sums(a, t["w"], lr, wd if decoupled else 0, k)
+    moved, weight = _update_sums(a, t["w"], lr, wd if decoupled else 0, k_rows)
     if not decoupled and _nonzero(wd):
         # Adam's L2 decay: g' = ±g + wd·w_{t-1}, which needs A first
-        prev = _axpy(t["w"], a, lr * k)  # c = 0: this is w_{t-1}
+        alpha = [(lr * x).to(w.dtype) for x, w in zip(k, t["w"])] if isinstance(k, list) else lr * k
+        prev = _axpy(t["w"], a, alpha)  # c = 0: this is w_{t-1}
         consumed = _axpy(t["g"], prev, -wd if maximize else wd)  # ±g' (sign squared away)
     else:
         consumed = t["g"]  # its sign (maximize) does not change its square
