@@ -2,13 +2,20 @@
 
     python bench/overhead_breakdown.py                                   # every family every step
     python bench/overhead_breakdown.py --options detail_every=100000 optimizer_every=0   # always-on only
+    python bench/overhead_breakdown.py --cpu --threads 1 --options      # the defaults, in CPU time
 
 The same setting as bench_overhead.py: the monitored copy steps in turn with two
 unmonitored copies, so its tensors are as cold in the cache as in the benchmark's rounds.
 Each Recorder and forward hook and each on-device record function is wrapped in a timer; nested
 entries are included in their callers (``on_forward`` holds ``activation_record``...).
-``host`` is gradmon's own clock over the same steps. A diagnostic, not a figure to publish:
-the timers add their own small cost.
+``host`` is gradmon's own clock over the same steps; ``publisher`` the publisher thread's CPU
+time per step (its fold of each packet). A diagnostic, not a figure to publish: the timers add
+their own small cost.
+
+``--cpu`` times with the training thread's CPU clock instead of the wall clock (gradmon's own
+clock too): on a machine other jobs load, a wall clock charges their time slices to whatever
+was running. With ``--threads 1`` every kernel runs on the training thread, so its CPU clock
+sees all of gradmon's work there.
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import argparse
 import collections
 import functools
 import sys
+import threading
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -29,37 +37,46 @@ FORWARD = ("on_forward", "on_block", "on_grad_flow", "on_root_forward")  # captu
 STATS = ("activation_record", "gradient_record", "moments_record", "moments_block", "param_grad_stats", "extremes")
 
 
-def _timed(owner: object, name: str, totals: Dict[str, float]) -> None:
+def _timed(owner: object, name: str, totals: Dict[str, float], clock: Callable[[], float]) -> None:
     f = getattr(owner, name)
 
     @functools.wraps(f)
     def timed(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return f(*args, **kwargs)
         finally:
-            totals[name] += time.perf_counter() - t0
+            totals[name] += clock() - t0
     setattr(owner, name, timed)
 
 
-def breakdown(options: Dict[str, object], steps: int, discard: int) -> Dict[str, float]:
-    """ms per step of each timed function, and ``host``, for gradmon attached with ``options``."""
+def _cpu_seconds(threads: List[threading.Thread]) -> float:
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads if t.is_alive())
+
+
+def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = False) -> Dict[str, float]:
+    """ms per step of each timed function, ``host`` and ``publisher``, for gradmon attached
+    with ``options``; ``cpu``: timed with the training thread's CPU clock."""
     import gradmon
-    from gradmon.capture import forward, hooks, optimizer, writer
+    from gradmon.capture import forward, guard, hooks, optimizer, writer
     from gradmon.capture import kernels as stats
     from prometheus_client import CollectorRegistry
 
+    clock = time.thread_time if cpu else time.perf_counter
+    for module in (guard, forward):  # gradmon's own clock (host)
+        module.perf_counter = clock  # type: ignore[attr-defined]
     totals: Dict[str, float] = collections.defaultdict(float)
     for name in RECORDER:
-        _timed(hooks.Recorder, name, totals)
+        _timed(hooks.Recorder, name, totals, clock)
     for name in FORWARD:
-        _timed(forward.Forward, name, totals)
+        _timed(forward.Forward, name, totals, clock)
     for name in STATS:
-        _timed(stats, name, totals)
-    _timed(optimizer, "read", totals)
-    _timed(writer, "write", totals)
+        _timed(stats, name, totals, clock)
+    _timed(optimizer, "read", totals, clock)
+    _timed(writer, "write", totals, clock)
     copies = [bench.make_training() for _ in range(3)]
     monitor = gradmon.attach(copies[0][0], registry=CollectorRegistry(), final_scrape_timeout=0, **options)
+    publisher = [t for t in threading.enumerate() if t.name.startswith("gradmon-publisher")]
     try:
         def round_() -> None:
             for _, _, step in copies:
@@ -68,11 +85,12 @@ def breakdown(options: Dict[str, object], steps: int, discard: int) -> Dict[str,
         for _ in range(discard):
             round_()
         totals.clear()
-        before = monitor._recorder.overhead
+        before, folded = monitor._recorder.overhead, _cpu_seconds(publisher)
         for _ in range(steps):
             round_()
         out = {name: seconds / steps * 1000 for name, seconds in totals.items()}
         out["host"] = (monitor._recorder.overhead - before) / steps * 1000
+        out["publisher"] = (_cpu_seconds(publisher) - folded) / steps * 1000
         return out
     finally:
         monitor.detach()
@@ -83,13 +101,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--discard", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cpu", action="store_true",
+                   help="time with the training thread's CPU clock (with --threads 1: all of its kernels)")
     p.add_argument("--options", nargs="*", default=["detail_every=1", "optimizer_every=1"], metavar="KEY=VALUE",
                    help="gradmon.attach options (default: every family every step)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     options = dict(bench._option(kv) for kv in a.options)
-    result = breakdown(options, a.steps, a.discard)
-    print(f"gradmon {options}, {a.steps} steps, ms per step (nested entries included in their callers):")
+    result = breakdown(options, a.steps, a.discard, a.cpu)
+    clock = "training thread's CPU" if a.cpu else "wall"
+    print(f"gradmon {options}, {a.steps} steps, {a.threads} threads, ms per step of {clock} time "
+          f"(nested entries included in their callers; publisher: its thread's CPU time):")
     for name, ms in sorted(result.items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {ms:8.3f}")
     return 0

@@ -53,14 +53,18 @@ def test_the_confidence_bound_is_the_student_t_upper_bound_of_the_mean():
     assert bench_overhead.ci95_high([1.0, 1.0, 1.0]) == 1.0
 
 
-def test_overhead_breakdown_times_every_hook_of_a_detail_step():
+def test_overhead_breakdown_times_every_hook_of_a_detail_step_and_the_publishers_fold_in_cpu_time():
     r = subprocess.run([sys.executable, str(BENCH.parent / "overhead_breakdown.py"), "--steps", "1", "--discard", "1",
-                        "--threads", "1"], capture_output=True, text=True, timeout=600)
+                        "--threads", "1", "--cpu"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
+    assert "CPU time" in r.stdout.splitlines()[0]
     rows = dict(line.split() for line in r.stdout.splitlines()[1:])
-    for name in ("host", "on_forward", "on_grad_flow", "activation_record", "moments_block", "read", "_measure_grads"):
+    for name in ("host", "publisher", "on_forward", "on_grad_flow", "activation_record", "moments_block", "read",
+                 "_measure_grads"):
         assert float(rows[name]) > 0, (name, r.stdout)
     assert float(rows["on_forward"]) >= float(rows["activation_record"])  # nested timers sit inside their callers
+    # gradmon's own clock is the CPU clock too: the hooks' time is within it
+    assert float(rows["host"]) >= float(rows["_measure_grads"]), r.stdout
 
 
 def test_prometheus_load_benchmark_reads_a_real_prometheus_scraping_simulated_ranks(tmp_path):
