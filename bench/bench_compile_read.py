@@ -11,6 +11,9 @@ is timed with and without the record gradmon makes at a layer's output under com
 (every statistic at OUTPUT and LAYER at the defaults: norm, min, max, NaN and Inf counts, the
 kurtosis sample), interleaved call by call; printed: the median time of each and the
 record's extra time against the time of one plain read of the output (``x.sum()``).
+
+The detail statistics are made in a branch on the host's gate (``capture/traced.py``): open
+here, as on a detail step; ``--ordinary`` closes it, as on the other steps.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ordinary", action="store_true", help="the gate closed: an ordinary step's record")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -43,6 +47,7 @@ def main(argv: List[str] = None) -> int:
     stats = tuple(st for st in S.enabled(gradmon.Config()) if st.at in (S.OUTPUT, S.LAYER))
     x = torch.randn(args.rows, args.width)
     w = torch.randn(args.width, args.width) / args.width ** 0.5
+    gate = torch.tensor(not args.ordinary)
 
     def plain(act: Callable) -> Callable:
         return torch.compile(lambda x, w: act(x @ w), fullgraph=True)
@@ -50,7 +55,7 @@ def main(argv: List[str] = None) -> int:
     def recorded(act: Callable) -> Callable:
         def f(x, w):
             y = act(x @ w)
-            return y, _records(stats, y)
+            return y, _records(stats, y, gate)
         return torch.compile(f, fullgraph=True)
 
     ident = lambda y: y  # noqa: E731
