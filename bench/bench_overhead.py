@@ -151,7 +151,8 @@ def make_training(seed: int = 0, compiled: bool = False):
     return model, opt, step
 
 
-def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict[str, Dict[str, float]]:
+def interleaved(names: List[str], rounds: int, steps: int, discard: int, back_to_back: bool = False
+                ) -> Dict[str, Dict[str, float]]:
     # the same seed: identical copies
     copies = {name: make_training(compiled=name in COMPILED) for name in names}
     states: Dict[str, dict] = {name: {} for name in names}
@@ -165,13 +166,17 @@ def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict
     # each monitor's own clock (time in its hooks), read before and after the timed rounds
     recorders = {name: getattr(st.get("monitor"), "_recorder", None) for name, st in states.items()}
 
-    def timed(name: str) -> float:
+    def timed(name: str, n: int = 1) -> float:
+        """``n`` steps of one copy, then its monitor flushed: with n = 1 the fold of each
+        step is charged to it in full; with a round's steps the fold overlaps the next step,
+        as in a job (on a GPU, the device's work)."""
         monitor = states[name].get("monitor")
         t0 = time.perf_counter()
-        copies[name][2]()
+        for _ in range(n):
+            copies[name][2]()
         if monitor is not None:
             monitor.flush(10)
-        return time.perf_counter() - t0
+        return (time.perf_counter() - t0) / n
 
     for _ in range(discard):  # a fresh attach starts on a sampled step: not a round's
         for name in names:
@@ -182,9 +187,9 @@ def interleaved(names: List[str], rounds: int, steps: int, discard: int) -> Dict
     k = 0
     for _ in range(rounds):
         sums = dict.fromkeys(names, 0.0)
-        for _ in range(steps):
+        for _ in range(1 if back_to_back else steps):
             for name in names[k % len(names):] + names[:k % len(names)]:
-                dt = timed(name)
+                dt = timed(name, steps if back_to_back else 1)
                 sums[name] += dt
                 times[name].append(dt)
             k += 1
@@ -272,6 +277,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="reference")
     p.add_argument("--bf16", action="store_true", help="train under bf16 autocast")
     p.add_argument("--fused", action="store_true", help="fused AdamW (a CUDA kernel)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="each round runs a copy's steps one after another and flushes once (copies still take "
+                        "turns by round): the fold overlaps the next step, as in a job; default: copies take turns "
+                        "every step and each step waits for its own fold (an upper bound)")
     args = p.parse_args(argv)
     SETUP.update(size=args.size, device=args.device, bf16=args.bf16, fused=args.fused)
     if args.quick:
@@ -290,8 +299,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, {where}, model {args.size}{', bf16 autocast' if args.bf16 else ''}"
           f"{', fused AdamW' if args.fused else ''}, {args.threads} threads, {args.rounds} rounds x {args.steps} steps "
-          f"of every copy, interleaved step by step", flush=True)
-    res = interleaved(names, args.rounds, args.steps, args.discard)
+          f"of every copy, {'back to back, copies in turn by round' if args.back_to_back else 'interleaved step by step'}",
+          flush=True)
+    res = interleaved(names, args.rounds, args.steps, args.discard, args.back_to_back)
     for name in names:
         # a fresh process knows only the named variants, on the reference CPU setup
         skip = args.no_memory or args.device != "cpu" or name == "gradmon_options" or name in COMPILED
