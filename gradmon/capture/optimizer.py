@@ -385,6 +385,25 @@ def _adam_tensors(group: Dict[str, Any], state: Dict[str, Any], p: torch.Tensor,
     return out
 
 
+def _device_corrections(steps: List[torch.Tensor], beta1: Any, beta2: Any, eps: float, v2: List[torch.Tensor],
+                        root: List[torch.Tensor]) -> Tuple[List[torch.Tensor], float, List[torch.Tensor],
+                                                           List[torch.Tensor], torch.Tensor]:
+    """:func:`_adam_sums`' bias-corrected terms where the step counts (or the betas) live on
+    the device and are never read: (floor = max(√v̂, ε) per piece, its scale 1, ε√bc2 per
+    piece, k = √bc2/bc1 per piece, k for each row of :func:`_dots`). Each piece has its own
+    corrections (an (n, 1) column for a block's rows), computed in float64 and applied in the
+    piece's own dtype, as a number would be; with no tensor clamp bound, one more pass."""
+    bc1 = [1 - beta1 ** s for s in steps]
+    bc2 = [1 - beta2 ** s for s in steps]
+    floor = [v / b.to(v.dtype) for v, b in zip(v2, bc2)]
+    torch._foreach_clamp_min_(floor, eps * eps)
+    torch._foreach_sqrt_(floor)
+    shift = [(eps * b.sqrt()).to(r.dtype) for b, r in zip(bc2, root)]
+    k = [b2.sqrt() / b1 for b1, b2 in zip(bc1, bc2)]
+    rows = torch.cat([x.reshape(-1).expand(r.shape[0] if r.dim() == 2 else 1) for x, r in zip(k, root)])
+    return floor, 1.0, shift, k, rows
+
+
 def _adam_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
     """torch.optim.Adam/AdamW: A = m̂/(√v̂+ε) with v the max_exp_avg_sq under amsgrad
     (m already holds maximize's sign); c = wd when the decay is decoupled. The third
@@ -399,19 +418,8 @@ def _adam_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
     # with k = √bc2/bc1, and g'²/max(v̂, ε²) = bc2·(g'/max(√v, ε√bc2))².
     root = torch._foreach_sqrt(t["v2"])
     if batch.steps or isinstance(beta2, torch.Tensor):
-        # on the device (step counts, betas): never read, so no clamp bound and one more
-        # pass; each piece's own corrections, a column for a block's rows
         steps = batch.step_pieces() if batch.steps else [step] * len(root)
-        bc1 = [1 - beta1 ** s for s in steps]
-        bc2 = [1 - beta2 ** s for s in steps]
-        # (float64 corrections, applied in each piece's own dtype as a number would be)
-        floor, scale = [v / b.to(v.dtype) for v, b in zip(t["v2"], bc2)], 1.0
-        torch._foreach_clamp_min_(floor, eps * eps)
-        torch._foreach_sqrt_(floor)
-        shift: Any = [(eps * b.sqrt()).to(r.dtype) for b, r in zip(bc2, root)]
-        k: Any = [b2.sqrt() / b1 for b1, b2 in zip(bc1, bc2)]
-        # one value per row of _dots: a piece's k spread over its rows
-        k_rows = torch.cat([x.reshape(-1).expand(p.shape[0] if p.dim() == 2 else 1) for x, p in zip(k, root)])
+        floor, scale, shift, k, k_rows = _device_corrections(steps, beta1, beta2, eps, t["v2"], root)
     else:
         bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
         floor, scale = torch._foreach_clamp_min(root, eps * bc2 ** 0.5), bc2
