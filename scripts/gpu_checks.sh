@@ -6,7 +6,7 @@
 #      statistics equal eager on Inductor's GPU kernels;
 #   2. kernel launches gradmon adds per step (profiler), eager and compiled;
 #   3. bench_overhead's ratios on a GPT-2-small-sized model in bf16 with fused AdamW:
-#      defaults, the guard, and the compiled pair.
+#      defaults, the guard, and the compiled pair; then the defaults with --back-to-back.
 # Each part has its own time limit, so one that hangs still leaves the others' figures.
 set -u
 out=${OUT:-gpu-checks-out}
@@ -27,3 +27,5 @@ part tests 90 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_hos
 common=(--device cuda --size gpt2 --bf16 --fused)
 part overhead 190 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead.json"
 TAIL=70 part launches 110 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled
+# each copy's steps back to back, one flush per round: the fold overlaps the device's next step, as in a job
+part overhead_b2b 100 $py bench/bench_overhead.py "${common[@]}" --variants unmonitored_twin gradmon_defaults --no-memory --rounds 10 --back-to-back --json "$out/overhead_b2b.json"
