@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 
 import gradmon
 from torch._inductor.utils import run_and_get_code
-from conftest import scrape
+from conftest import needs_cuda, scrape
 
 STEPS = 100
 
@@ -179,3 +179,43 @@ def test_a_twin_compiled_first_without_gradmon_is_said(attach, caplog):
               [torch.randn(2, 4)], mon)
     assert "another instance of its class was compiled without gradmon" in caplog.text
     torch._dynamo.reset()
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_reduce_overhead_keeps_its_cuda_graphs_and_the_statistics_equal_eager():
+    """``mode="reduce-overhead"`` replays the compiled forward and backward as CUDA graphs:
+    gradmon's records are outputs of those graphs, in memory the next replay overwrites, so
+    they must be taken before it, and nothing gradmon traces (the gate of the detail branch
+    among them) may make Inductor skip the graphs, which would cost the job the mode's
+    whole gain without a word."""
+    torch._dynamo.reset()
+    compiled_model, eager_model = model().cuda(), model().cuda()
+    options = dict(port=0, addr="127.0.0.1", final_scrape_timeout=0, detail_every=2, incident_dir="")
+    mon_c = gradmon.attach(compiled_model, name="compiled", **options)
+    mon_e = gradmon.attach(eager_model, name="eager", **options)
+    try:
+        compiled = torch.compile(compiled_model, mode="reduce-overhead", fullgraph=True)
+        opt_c = torch.optim.SGD(compiled_model.parameters(), lr=0.0)
+        opt_e = torch.optim.SGD(eager_model.parameters(), lr=0.0)
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(8, 6, generator=g) * (1 + i % 7)).cuda() for i in range(20)]
+        counters.clear()
+        train(compiled, opt_c, batches[:1], mon_c)  # compiled, and recorded as graphs
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            train(compiled, opt_c, batches[1:], mon_c)
+        skips = dict(counters["inductor"])
+        train(eager_model, opt_e, batches, mon_e)
+        compiled_seen, eager_seen = scrape(mon_c.url), scrape(mon_e.url)
+        errors = mon_c._errors.counts()
+    finally:
+        mon_c.detach()
+        mon_e.detach()
+        torch._dynamo.reset()
+    assert skips.get("cudagraph_skips", 0) == 0, skips
+    assert sum(errors.values()) == 0, errors
+    for name in ("gradmon_activation_abs_max", "gradmon_activation_rms", "gradmon_grad_norm"):
+        got, want = family(compiled_seen, name, "compiled"), family(eager_seen, name, "eager")
+        assert set(got) == set(want) and want, name
+        for layer, v in want.items():  # Inductor's GPU kernels round apart from eager's
+            assert got[layer] == pytest.approx(v, rel=1e-4), (name, layer)

@@ -287,7 +287,7 @@ def test_host_values_reach_a_device_by_non_blocking_copies_only():
     assert t.device.type == "meta" and t.dtype == torch.float64 and copies == [True]
 
 
-def train_compiled(device: str, backend: str, guard=contextlib.nullcontext) -> None:
+def train_compiled(device: str, backend: str, guard=contextlib.nullcontext, mode=None) -> None:
     """The model compiled whole (fullgraph) with gradmon attached. Inside the compiled
     forward a host read would be a graph break, which fullgraph refuses (and dynamo runs
     nothing under a dispatch mode such as RaiseOnSync); the compiled backward and the step,
@@ -300,7 +300,7 @@ def train_compiled(device: str, backend: str, guard=contextlib.nullcontext) -> N
     torch._dynamo.reset()
     try:
         with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=2, origin_per_layer=True) as mon:
-            compiled = torch.compile(model, fullgraph=True, backend=backend)
+            compiled = torch.compile(model, fullgraph=True, backend=backend, mode=mode)
 
             def train(steps, check=contextlib.nullcontext):
                 for _ in range(steps):
@@ -329,3 +329,9 @@ def test_a_compiled_model_with_gradmon_never_syncs_on_cpu():
 @pytest.mark.cuda
 def test_a_compiled_model_with_gradmon_never_syncs_on_cuda_under_sync_debug_mode_error():
     train_compiled("cuda", "inductor", cuda_sync_is_an_error)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_a_model_compiled_as_cuda_graphs_with_gradmon_never_syncs():
+    train_compiled("cuda", "inductor", cuda_sync_is_an_error, mode="reduce-overhead")
