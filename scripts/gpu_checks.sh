@@ -3,7 +3,7 @@
 # tool runs it from the repository root; logs go to $OUT, or ./gpu-checks-out):
 #   1. the CUDA tests (pytest -m cuda): no host sync under set_sync_debug_mode("error") on
 #      the eager, compiled, guard and black-box paths; the guard's bit-exact skip; compiled
-#      statistics equal eager on Inductor's GPU kernels;
+#      statistics equal eager on Inductor's GPU kernels; the one-launch NaN/Inf counts (Triton);
 #   2. kernel launches gradmon adds per step (profiler), eager and compiled;
 #   3. bench_overhead's ratios on a GPT-2-small-sized model in bf16 with fused AdamW:
 #      defaults, the guard, and the compiled pair; then the defaults with --back-to-back.
@@ -25,7 +25,7 @@ part() {  # part NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "$out/$name.log"
 }
 nvidia-smi -L; $py -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, torch.cuda.get_device_name())'
-part tests 90 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_host_sync.py tests/test_stepguard.py tests/test_compile.py tests/test_statistics.py
+part tests 120 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_host_sync.py tests/test_stepguard.py tests/test_compile.py tests/test_statistics.py tests/test_counting.py
 common=(--device cuda --size gpt2 --bf16 --fused)
 part overhead 190 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead.json"
 TAIL=70 part launches 110 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled

@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import counting
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _ZERO_COUNTS = torch.zeros(2, dtype=torch.int64)  # CPU only: see _host_says_finite
 
@@ -356,12 +358,22 @@ def _norms_and_counts(group: Sequence[torch.Tensor], norms: torch.Tensor, ship: 
                       ) -> torch.Tensor:
     if _host_says_finite(norms):
         counts = torch.zeros((len(group), 2), dtype=ship, device=norms.device)
-    elif small and len(group) > 1:
-        counts = _segment_counts(group, ship)
-    else:  # two stacks for the group, not one per tensor
-        counts = torch.stack([torch.stack([torch.isnan(g).sum() for g in group]),
-                              torch.stack([torch.isinf(g).sum() for g in group])], dim=1).to(ship)
+    else:
+        counts = _group_counts(group, ship, small)
     return torch.cat((norms.to(ship).unsqueeze(1), counts), dim=1)
+
+
+def _group_counts(group: Sequence[torch.Tensor], ship: torch.dtype, small: bool) -> torch.Tensor:
+    """(n, 2) [NaN, Inf] counts of one group in ``ship``: one kernel launch on CUDA where
+    Triton serves (:mod:`counting`), else torch ops, to the same counts."""
+    counts = counting.nonfinite_counts(group)
+    if counts is not None:
+        return counts.to(ship)
+    if small and len(group) > 1:
+        return _segment_counts(group, ship)
+    # two stacks for the group, not one per tensor
+    return torch.stack([torch.stack([torch.isnan(g).sum() for g in group]),
+                        torch.stack([torch.isinf(g).sum() for g in group])], dim=1).to(ship)
 
 
 _IS_SPARSE = operator.attrgetter("is_sparse")

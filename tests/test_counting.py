@@ -1,0 +1,245 @@
+"""NaN/Inf counts of a group of tensors in one Triton launch (gradmon/capture/counting.py):
+exact against torch's own counts, without a host sync on CUDA, in one launch where torch
+ops take several per tensor; torch ops count wherever the kernel cannot serve.
+
+Triton is not a dependency of gradmon: without it the kernel's tests skip. Where it is
+installed but no GPU is, the kernel runs under Triton's interpreter (TRITON_INTERPRET=1,
+CPU tensors) in a child process, because the interpreter must be chosen before Triton is
+imported; the CUDA tests run where a GPU is lent (scripts/gpu_checks.sh)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from typing import List, Sequence
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import needs_cuda
+from gradmon.capture import counting
+from gradmon.capture import kernels as stats
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs Triton (pip install triton): gradmon does not depend on it")
+
+B, C = counting.BLOCK, counting.CHUNK
+SIZES = (1, 7, B - 1, B, B + 1, C - 1, C, C + 1, 3 * C + 5)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def planted(size: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    """Gaussian values with NaN, Inf and -Inf in turn at the edges a kernel gets wrong: the
+    first and last element and both sides of every block and chunk boundary."""
+    g = torch.randn(size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    edges = sorted({0, size - 1} | {b + d for b in (B, 2 * B, C, 2 * C, 3 * C) for d in (-1, 0) if 0 <= b + d < size})
+    for j, e in enumerate(edges[seed % 3:]):
+        g[e] = (float("nan"), float("inf"), float("-inf"))[j % 3]
+    return g.to(device)
+
+
+def reference(group: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([torch.stack((torch.isnan(g).sum(), torch.isinf(g).sum())) for g in group]).cpu()
+
+
+def groups(device: str) -> List[List[torch.Tensor]]:
+    """Groups of one dtype: every size at once; an empty tensor among them; views into one
+    flat buffer, the first one element off a 16-byte boundary (the kernel's narrow loads)."""
+    out = []
+    for dtype in DTYPES:
+        out.append([planted(n, dtype, device, seed) for seed, n in enumerate(SIZES)])
+        out.append([planted(5, dtype, device, 0), torch.empty(0, dtype=dtype, device=device), planted(C, dtype, device, 1)])
+        out.append(views(dtype, device))
+    return out
+
+
+def views(dtype: torch.dtype, device: str) -> List[torch.Tensor]:
+    """Views into one flat buffer, finite elements between them, each with a NaN first and
+    an Inf last, so that a view read from the wrong place counts differently."""
+    flat = torch.randn(3 * C + 40, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bounds = [(1, C + 4), (C + 11, 2 * C + 9), (2 * C + 12, 3 * C + 37)]
+    for start, end in bounds:
+        flat[start], flat[end - 1] = float("nan"), float("inf")
+    flat = flat.to(device)
+    return [flat[start:end] for start, end in bounds]
+
+
+def mismatches(device: str, interpreted: bool = False) -> List[str]:
+    """The groups whose kernel counts differ from torch's or that the kernel did not serve."""
+    bad = []
+    for group in groups(device):
+        got = counting.nonfinite_counts(group, interpreted=interpreted)
+        want = reference(group)
+        if got is None or got.dtype != torch.int64 or not torch.equal(got.cpu(), want):
+            bad.append(f"{group[0].dtype} sizes {[g.numel() for g in group]}: {got} != {want.tolist()}")
+    return bad
+
+
+@needs_triton
+def test_the_kernel_counts_exactly_under_tritons_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"mismatches": [], "groups": len(groups("cpu"))}
+
+
+def test_torch_ops_count_where_the_kernel_cannot_serve(monkeypatch):
+    calls = []
+    monkeypatch.setattr(counting, "_kernel", lambda: calls.append(1))
+    g = torch.randn(64, 64)
+    assert counting.nonfinite_counts([g]) is None  # a CPU tensor
+    assert counting.nonfinite_counts([g.t()], interpreted=True) is None  # not contiguous
+    assert counting.nonfinite_counts([g.double()], interpreted=True) is None  # a dtype it does not read
+    assert counting.nonfinite_counts([g.view(torch.int32)], interpreted=True) is None
+    assert counting.nonfinite_counts([nn.Parameter(g)], interpreted=True) is None  # not a plain tensor
+    assert calls == []
+
+
+def test_without_triton_there_is_no_kernel_and_nothing_is_logged(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    monkeypatch.delitem(sys.modules, "gradmon.capture.triton_kernels", raising=False)
+    with caplog.at_level(logging.WARNING, logger="gradmon"):
+        assert counting._kernel.__wrapped__() is None
+    assert caplog.records == []
+
+
+def test_a_failing_launch_is_logged_once_and_torch_ops_count_from_then_on(monkeypatch, caplog):
+    class Failing:
+        launches = 0
+
+        def __getitem__(self, grid):
+            Failing.launches += 1
+            raise RuntimeError("no compiler for the launcher")
+    monkeypatch.setattr(counting, "_failed", False)
+    monkeypatch.setattr(counting, "_kernel", Failing)
+    group = [torch.full((10,), float("nan"))]
+    with caplog.at_level(logging.WARNING, logger="gradmon"):
+        assert counting.nonfinite_counts(group, interpreted=True) is None
+        assert counting.nonfinite_counts(group, interpreted=True) is None
+    assert Failing.launches == 1 and len(caplog.records) == 1
+    assert "counting with torch ops from now on" in caplog.records[0].getMessage()
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.cuda
+def test_the_kernel_counts_exactly_on_cuda():
+    assert mismatches("cuda") == []
+    assert not counting._failed
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_gpt2_embedding_sized_gradient_counts_exactly_on_cuda(dtype):
+    """50257 x 768 elements: all NaN (one count per element, far past a program's chunk),
+    then 1 in 1000 elements NaN and 1 in 1000 Inf at random places."""
+    g = torch.full((50257, 768), float("nan"), dtype=dtype, device="cuda")
+    assert counting.nonfinite_counts([g]).tolist() == [[g.numel(), 0]]
+    g.normal_()
+    flat = g.view(-1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    flat[torch.randint(0, g.numel(), (g.numel() // 1000,), device="cuda", generator=gen)] = float("nan")
+    flat[torch.randint(0, g.numel(), (g.numel() // 1000,), device="cuda", generator=gen)] = float("-inf")
+    assert torch.equal(counting.nonfinite_counts([g]).cpu(), reference([g]))
+
+
+def _grads(device: str) -> List[torch.Tensor]:
+    """A GPT-2-like mix: large bf16 matrices, small bf16 vectors, a few float32 ones."""
+    out = [planted(n, torch.bfloat16, device, i) for i, n in enumerate((768 * 2304, 768 * 768, 768 * 3072) * 4)]
+    out += [planted(n, torch.bfloat16, device, i) for i, n in enumerate((768, 2304, 3072) * 8)]
+    out += [planted(n, torch.float32, device, i) for i, n in enumerate((768, 40000))]
+    return out
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.cuda
+def test_param_grad_stats_rows_equal_those_of_torch_ops_on_cuda(monkeypatch):
+    grads = _grads("cuda")
+    home = torch.device("cuda")
+    served = []
+    real = counting.nonfinite_counts
+    monkeypatch.setattr(counting, "nonfinite_counts", lambda group: served.append(real(group)) or served[-1])
+    rows, order = stats.param_grad_stats(grads, home)
+    assert len(served) == 4 and all(s is not None for s in served)  # bf16 and float32, large and small
+    monkeypatch.setattr(counting, "nonfinite_counts", lambda group: None)
+    rows_torch, order_torch = stats.param_grad_stats(grads, home)
+    assert order == order_torch and rows.dtype == rows_torch.dtype == torch.float64
+    assert torch.equal(rows[:, 1:].cpu(), rows_torch[:, 1:].cpu())
+    want = reference([grads[i] for i in order]).double()
+    assert torch.equal(rows[:, 1:].cpu(), want)
+
+
+def _device_kernels(fn) -> dict:
+    """The device's kernels (memsets and copies too: each a launch) ``fn`` runs, by name."""
+    import collections
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()  # compiled, tables built
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return collections.Counter(e.name for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.cuda
+def test_counting_51_large_gradients_takes_one_launch_on_cuda(monkeypatch):
+    """What bench/bench_launches.py sees on GPT-2 small's ordinary step: its 51 large
+    gradients' counts took several kernels each; with the kernel, one in all."""
+    grads = [planted(768 * 768, torch.bfloat16, "cuda", i) for i in range(51)]
+    home = torch.device("cuda")
+    with_kernel = _device_kernels(lambda: stats.param_grad_stats(grads, home))
+    monkeypatch.setattr(counting, "nonfinite_counts", lambda group: None)
+    with_torch_ops = _device_kernels(lambda: stats.param_grad_stats(grads, home))
+    counted = sum(n for name, n in with_kernel.items() if "count_nonfinite" in name)
+    print(f"device kernels of param_grad_stats over 51 large bf16 gradients: {sum(with_kernel.values())} "
+          f"with the kernel, {sum(with_torch_ops.values())} with torch ops")
+    assert counted == 1
+    assert sum(with_torch_ops.values()) - sum(with_kernel.values()) >= 4 * 51, (with_kernel, with_torch_ops)
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.cuda
+def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_on_cuda(monkeypatch):
+    import gradmon
+    from test_no_host_sync import RaiseOnSync, cuda_sync_is_an_error
+    served = []
+    real = counting.nonfinite_counts
+    monkeypatch.setattr(counting, "nonfinite_counts", lambda group: served.append(real(group)) or served[-1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.LayerNorm(256),
+                          nn.Linear(256, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def train(steps):
+        for _ in range(steps):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(torch.randn(32, 256, device="cuda")).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    train(1)
+    with gradmon.attach(model, port=0, addr="127.0.0.1") as mon:  # the defaults: ordinary steps
+        train(1)
+        with cuda_sync_is_an_error(), RaiseOnSync():
+            train(3)
+        assert mon.flush()
+        errors = mon._errors.counts()
+        snap = mon.snapshot()
+    assert snap.steps_total == 4 and sum(errors.values()) == 0, errors
+    assert served and all(s is not None for s in served) and not counting._failed
+
+
+if __name__ == "__main__":  # the interpreter's child process (TRITON_INTERPRET=1)
+    print(json.dumps({"mismatches": mismatches("cpu", interpreted=True), "groups": len(groups("cpu"))}))
