@@ -211,6 +211,22 @@ def test_counting_51_large_gradients_takes_one_launch_on_cuda(monkeypatch):
 @needs_cuda
 @needs_triton
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_tensors_counts_take_one_launch_and_no_copy_on_cuda(dtype):
+    """The detail step's per-layer records (an output's, a gradient flow's) count one tensor at
+    a time: the kernel, its zeroed block, and no table copied (a lone tensor's offsets are (0,))."""
+    g = planted(3 * C + 5, dtype, "cuda", 0)
+    x = planted(C + 1, dtype, "cuda", 1).reshape(-1, 1)
+    assert torch.equal(stats.gradient_record(g)[1].cpu(), reference([g])[0])
+    assert torch.equal(stats.activation_record(x)[1].cpu(), reference([x])[0])
+    names = _device_kernels(lambda: stats.gradient_record(g))
+    assert sum(n for name, n in names.items() if "count_nonfinite" in name) == 1
+    assert not [name for name in names if "isnan" in name.lower() or "Memcpy" in name], names
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.cuda
 def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_on_cuda(monkeypatch):
     import gradmon
     from test_no_host_sync import RaiseOnSync, cuda_sync_is_an_error

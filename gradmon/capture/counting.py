@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import operator
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
@@ -88,7 +89,8 @@ def _launch(kernel: Any, group: Sequence[torch.Tensor], addresses: Tuple[int, ..
         # Triton launches on the current device's current stream: the tensors' device,
         # and the stream their memory is ordered on (as a torch op on them would be)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            kernel[(programs,)](group[0], _address_table(addresses, device), work, out,
+            offsets = tuple(map(operator.sub, addresses, itertools.repeat(addresses[0])))
+            kernel[(programs,)](group[0], _offset_table(offsets, device), work, out,
                                 ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK, CHUNK=CHUNK)
     return out
 
@@ -103,10 +105,11 @@ def _work(numels: Tuple[int, ...], device: torch.device) -> Tuple[torch.Tensor, 
 
 
 @functools.lru_cache(maxsize=8)
-def _address_table(addresses: Tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Cached: gradients freed and reallocated every step (``zero_grad(set_to_none=True)``)
-    mostly come back at the same addresses, and then no copy is made."""
-    return _to_device(addresses, device)
+def _offset_table(offsets: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Cached. Offsets from the group's first tensor, not addresses: a lone tensor's table is
+    always (0,), and gradients freed and reallocated every step (``zero_grad(set_to_none=True)``)
+    mostly come back at the same places, so most calls copy nothing."""
+    return _to_device(offsets, device)
 
 
 def _to_device(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:

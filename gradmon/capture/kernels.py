@@ -64,6 +64,12 @@ def _l2(t: torch.Tensor) -> torch.Tensor:
 
 
 def _counts(t: torch.Tensor) -> torch.Tensor:
+    """int64 [NaN, Inf] of one tensor: one kernel launch on CUDA where Triton serves
+    (:mod:`counting`), else torch ops. Inside a compiled region the torch ops, which fuse
+    into the record's other reductions there (and :mod:`counting` is not traced)."""
+    found = None if torch.compiler.is_compiling() else counting.nonfinite_counts((t,))
+    if found is not None:
+        return found.reshape(2)
     return torch.stack((torch.isnan(t).sum(), torch.isinf(t).sum()))
 
 

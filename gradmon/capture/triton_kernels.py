@@ -6,14 +6,14 @@ import triton.language as tl
 
 
 @triton.jit
-def count_nonfinite(base, addresses, work, out, ITEMSIZE: tl.constexpr, ALIGN: tl.constexpr,
+def count_nonfinite(base, offsets, work, out, ITEMSIZE: tl.constexpr, ALIGN: tl.constexpr,
                     BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """Program p adds the NaN and Inf elements of one chunk to its tensor's row of ``out``.
 
     ``work[3p:3p+3]`` is (tensor i, chunk k, end): elements ``k * CHUNK`` to ``end`` of
-    tensor i, whose address is ``addresses[i]``. A tensor is reached as ``base`` (tensor 0)
-    plus an element offset, not by casting its address to a pointer, so that the compiler
-    keeps ``base``'s known alignment; offsets and starts are built as multiples of ``ALIGN``
+    tensor i, which starts ``offsets[i]`` bytes after tensor 0. A tensor is reached as
+    ``base`` (tensor 0) plus an element offset, not by casting its address to a pointer, so
+    that the compiler keeps ``base``'s known alignment; offsets and starts are built as multiples of ``ALIGN``
     and ``CHUNK`` (every address is a multiple of ``ALIGN`` elements, the host checked), which
     lets it load 16 bytes at a time. A chunk's counts fit int32; the totals are int64
     atomics, and a chunk with nothing to add (the usual case) issues none."""
@@ -21,7 +21,7 @@ def count_nonfinite(base, addresses, work, out, ITEMSIZE: tl.constexpr, ALIGN: t
     tensor = tl.load(work + 3 * p)
     start = tl.load(work + 3 * p + 1) * CHUNK
     end = tl.load(work + 3 * p + 2)
-    offset = (tl.load(addresses + tensor) - tl.load(addresses)) // (ITEMSIZE * ALIGN) * ALIGN
+    offset = tl.load(offsets + tensor) // (ITEMSIZE * ALIGN) * ALIGN
     data = base + offset
     if end - start == CHUNK:  # a whole chunk: no mask, whose unknown end would keep loads narrow
         nans, infs = _count_chunk(data, start, end, False, BLOCK, CHUNK)
