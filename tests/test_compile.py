@@ -181,6 +181,50 @@ def test_a_twin_compiled_first_without_gradmon_is_said(attach, caplog):
     torch._dynamo.reset()
 
 
+class KeepingBackend:
+    """A dynamo backend that runs the graphs it is given as they are and keeps them; its
+    ``config`` stands for the options Inductor's wrapper carries for a compile mode."""
+
+    def __init__(self, config):
+        self.config, self.graphs = config, []
+
+    def get_compiler_config(self):  # as torch.compile's Inductor wrapper answers
+        return self.config
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+@pytest.mark.parametrize("config, gated", [({}, True), ({"triton.cudagraphs": True}, False)],
+                         ids=["plain", "cuda-graphs"])
+def test_where_the_region_is_replayed_as_cuda_graphs_the_detail_statistics_are_made_ungated(attach, config, gated):
+    """Inductor replays no graph holding a ``torch.cond`` as a CUDA graph: under a mode that
+    replays graphs (reduce-overhead, max-autotune) the detail statistics are made on every
+    step, outside any branch, and what is exported is still the detail steps' own (batches
+    of different scales show a leak of an ordinary step's records)."""
+    torch._dynamo.reset()
+    nets = [model(), model()]
+    mons = [attach(net, name=name, detail_every=2) for net, name in zip(nets, ("compiled", "eager"))]
+    backend = KeepingBackend(config)
+    forwards = [torch.compile(nets[0], backend=backend, fullgraph=True), nets[1]]
+    batches = [torch.randn(8, 6) * (1 + 3 * i) for i in range(4)]  # steps 0 and 2 are detail steps
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for forward, net, mon in zip(forwards, nets, mons):
+                train(forward, torch.optim.SGD(net.parameters(), lr=0.0), batches, mon)
+    finally:
+        torch._dynamo.reset()
+    assert len(backend.graphs) == 1
+    ops = {node.target for node in backend.graphs[0].graph.nodes}
+    assert (torch.ops.higher_order.cond in ops) is gated
+    seen = [scrape(mon.url) for mon in mons]
+    for name in ("gradmon_activation_abs_max", "gradmon_activation_rms"):
+        got, want = family(seen[0], name, "compiled"), family(seen[1], name, "eager")
+        assert set(got) == set(want) == {"inp", "body.1", "body.3", "head"}, name
+        assert got == pytest.approx(want, rel=1e-6), name
+
+
 @needs_cuda
 @pytest.mark.cuda
 def test_reduce_overhead_keeps_its_cuda_graphs_and_the_statistics_equal_eager():

@@ -12,7 +12,9 @@ sample) is made under a branch (``torch.cond``) on a one-element bool tensor, th
 that the host sets between steps (:meth:`TracedSlots.arm`): a tensor's value is not
 guarded on, so flipping it recompiles nothing, and the compiled code skips the branch's
 reductions on the other steps. The gate lives on the CPU whatever the model's device:
-Inductor reads a branch's predicate on the host, and a CPU one costs no device sync.
+Inductor reads a branch's predicate on the host, and a CPU one costs no device sync. A
+region replayed as CUDA graphs cannot hold a branch: there the detail statistics are made
+on every step (:func:`_replayed_as_graphs`).
 
 Records are stored as an attribute of the module the hook ran on: a store of a value the
 compiled code never reads is replayed after the graph runs and guarded on nothing, and it
@@ -153,5 +155,30 @@ def _on_detail_steps(statistics: Sequence[Statistic], x: torch.Tensor, gate: tor
     def blank(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         return tuple(x.new_zeros(shape, dtype=dtype) for parts in like for shape, dtype in parts)
 
-    flat = iter(torch.cond(gate, made, blank, (x,)))
+    flat = iter(made(x) if _replayed_as_graphs() else torch.cond(gate, made, blank, (x,)))
     return {st.name: tuple(next(flat) for _ in parts) for st, parts in zip(statistics, like)}
+
+
+@torch._dynamo.assume_constant_result
+def _replayed_as_graphs() -> bool:
+    """Run at trace time, its answer a constant (no guard): whether the backend compiling
+    this region replays it as CUDA graphs (``mode="reduce-overhead"`` or ``"max-autotune"``,
+    or Inductor's ``triton.cudagraphs`` set). Inductor records no graph that holds a
+    ``torch.cond`` as a CUDA graph (it runs the whole region without them), so there the
+    detail statistics are made on every step, ungated, and the host drops them between
+    detail steps: a few fused reductions, where a skipped graph would cost the job the
+    mode's whole gain. Read from dynamo's internals; where they are not as expected, the
+    gated branch is kept."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._inductor import config
+
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+        for _ in range(8):  # dynamo's wrappers, down to the one that carries the mode's options
+            if hasattr(backend, "get_compiler_config"):
+                options = backend.get_compiler_config() or {}
+                return bool(options.get("triton.cudagraphs", config.triton.cudagraphs))
+            backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
+        return False
+    except Exception:  # noqa: BLE001 - internals moved: the gated branch, as before
+        return False
