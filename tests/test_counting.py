@@ -136,6 +136,20 @@ def test_the_kernel_counts_exactly_on_cuda():
 @needs_cuda
 @needs_triton
 @pytest.mark.cuda
+def test_the_kernel_counts_exactly_on_a_side_stream_on_cuda():
+    group = [planted(n, torch.float32, "cuda", seed) for seed, n in enumerate(SIZES)]
+    counting.nonfinite_counts(group)  # the tables cached on the default stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = counting.nonfinite_counts(group)
+    torch.cuda.current_stream().wait_stream(side)
+    assert got is not None and torch.equal(got.cpu(), reference(group))
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_gpt2_embedding_sized_gradient_counts_exactly_on_cuda(dtype):
     """50257 x 768 elements: all NaN (one count per element, far past a program's chunk),

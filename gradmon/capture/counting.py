@@ -80,23 +80,25 @@ def _kernel() -> Any:
 
 def _launch(kernel: Any, group: Sequence[torch.Tensor], addresses: Tuple[int, ...], itemsize: int) -> torch.Tensor:
     device = group[0].device
-    work, programs = _work(tuple(map(torch.Tensor.numel, group)), device)
+    # The cached tables are kept per stream: one made (copied) on another stream would not
+    # be ordered before this launch, nor its memory's reuse after it.
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    work, programs = _work(tuple(map(torch.Tensor.numel, group)), device, stream)
     out = torch.zeros((len(group), 2), dtype=torch.int64, device=device)
     if programs:
         # 16-byte loads where every tensor starts on a 16-byte boundary (the allocator's
         # blocks do; a view into a flat buffer may not)
         align = 1 if any(map((16).__rmod__, addresses)) else 16 // itemsize
+        offsets = _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[0]))), device, stream)
         # Triton launches on the current device's current stream: the tensors' device,
         # and the stream their memory is ordered on (as a torch op on them would be)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            offsets = tuple(map(operator.sub, addresses, itertools.repeat(addresses[0])))
-            kernel[(programs,)](group[0], _offset_table(offsets, device), work, out,
-                                ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK, CHUNK=CHUNK)
+            kernel[(programs,)](group[0], offsets, work, out, ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK, CHUNK=CHUNK)
     return out
 
 
 @functools.lru_cache(maxsize=64)
-def _work(numels: Tuple[int, ...], device: torch.device) -> Tuple[torch.Tensor, int]:
+def _work(numels: Tuple[int, ...], device: torch.device, stream: int) -> Tuple[torch.Tensor, int]:
     """(the flat (tensor, chunk, end) rows of every chunk of :data:`CHUNK` elements, on
     ``device``; their number). The same few layouts come back every step: built and copied
     once each."""
@@ -105,7 +107,7 @@ def _work(numels: Tuple[int, ...], device: torch.device) -> Tuple[torch.Tensor, 
 
 
 @functools.lru_cache(maxsize=8)
-def _offset_table(offsets: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _offset_table(offsets: Tuple[int, ...], device: torch.device, stream: int) -> torch.Tensor:
     """Cached. Offsets from the group's first tensor, not addresses: a lone tensor's table is
     always (0,), and gradients freed and reallocated every step (``zero_grad(set_to_none=True)``)
     mostly come back at the same places, so most calls copy nothing."""
