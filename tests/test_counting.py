@@ -48,12 +48,13 @@ def reference(group: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def groups(device: str) -> List[List[torch.Tensor]]:
-    """Groups of one dtype: every size at once; an empty tensor among them; views into one
+    """Groups of one dtype: every size at once; empty tensors among them, one first; views into one
     flat buffer, the first one element off a 16-byte boundary (the kernel's narrow loads)."""
     out = []
     for dtype in DTYPES:
         out.append([planted(n, dtype, device, seed) for seed, n in enumerate(SIZES)])
-        out.append([planted(5, dtype, device, 0), torch.empty(0, dtype=dtype, device=device), planted(C, dtype, device, 1)])
+        empty = torch.empty(0, dtype=dtype, device=device)  # on CUDA its address is 0
+        out.append([empty, planted(5, dtype, device, 0), empty, planted(C, dtype, device, 1)])
         out.append(views(dtype, device))
     return out
 

@@ -83,17 +83,22 @@ def _launch(kernel: Any, group: Sequence[torch.Tensor], addresses: Tuple[int, ..
     # The cached tables are kept per stream: one made (copied) on another stream would not
     # be ordered before this launch, nor its memory's reuse after it.
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    work, programs = _work(tuple(map(torch.Tensor.numel, group)), device, stream)
+    numels = tuple(map(torch.Tensor.numel, group))
+    work, programs = _work(numels, device, stream)
     out = torch.zeros((len(group), 2), dtype=torch.int64, device=device)
     if programs:
+        # the base pointer is a tensor with elements: an empty one's may be null, which
+        # Triton refuses as an argument
+        base = next(i for i, n in enumerate(numels) if n)
         # 16-byte loads where every tensor starts on a 16-byte boundary (the allocator's
         # blocks do; a view into a flat buffer may not)
         align = 1 if any(map((16).__rmod__, addresses)) else 16 // itemsize
-        offsets = _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[0]))), device, stream)
+        offsets = _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[base]))), device, stream)
         # Triton launches on the current device's current stream: the tensors' device,
         # and the stream their memory is ordered on (as a torch op on them would be)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            kernel[(programs,)](group[0], offsets, work, out, ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK, CHUNK=CHUNK)
+            kernel[(programs,)](group[base], offsets, work, out, ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK,
+                                CHUNK=CHUNK)
     return out
 
 

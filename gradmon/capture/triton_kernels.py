@@ -11,9 +11,9 @@ def count_nonfinite(base, offsets, work, out, ITEMSIZE: tl.constexpr, ALIGN: tl.
     """Program p adds the NaN and Inf elements of one chunk to its tensor's row of ``out``.
 
     ``work[3p:3p+3]`` is (tensor i, chunk k, end): elements ``k * CHUNK`` to ``end`` of
-    tensor i, which starts ``offsets[i]`` bytes after tensor 0. A tensor is reached as
-    ``base`` (tensor 0) plus an element offset, not by casting its address to a pointer, so
-    that the compiler keeps ``base``'s known alignment; offsets and starts are built as multiples of ``ALIGN``
+    tensor i, which starts ``offsets[i]`` bytes after ``base`` (one of the tensors). A tensor
+    is reached as ``base`` plus an element offset, not by casting its address to a pointer,
+    so that the compiler keeps ``base``'s known alignment; offsets and starts are built as multiples of ``ALIGN``
     and ``CHUNK`` (every address is a multiple of ``ALIGN`` elements, the host checked), which
     lets it load 16 bytes at a time. A chunk's counts fit int32; the totals are int64
     atomics, and a chunk with nothing to add (the usual case) issues none."""
