@@ -86,7 +86,9 @@ def test_the_kernel_counts_exactly_under_tritons_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == {"mismatches": [], "groups": len(groups("cpu"))}
+    assert json.loads(done.stdout.splitlines()[-1]) == {
+        "mismatches": [], "groups": len(groups("cpu")),
+        "param_grad_stats": {"served": 4, "equal": True}}  # bf16 and float32, large and small
 
 
 @needs_triton
@@ -295,5 +297,22 @@ def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_on_cuda(monke
     assert served and all(s is not None for s in served) and not counting._failed
 
 
+def param_grad_stats_through_the_kernel() -> dict:
+    """Under the interpreter: the groups ``param_grad_stats`` counts by the kernel (CPU
+    tensors let through) and whether its counts equal those it makes with torch ops."""
+    real, served = counting.nonfinite_counts, []
+    grads = [planted(n, dtype, "cpu", i) for i, (n, dtype) in enumerate(
+        [(20000, torch.bfloat16), (30000, torch.bfloat16), (768, torch.bfloat16), (2304, torch.bfloat16),
+         (768, torch.float32), (40000, torch.float32)])]
+    counting.nonfinite_counts = lambda group: served.append(real(group, interpreted=True)) or served[-1]
+    rows, order = stats.param_grad_stats(grads, torch.device("cpu"))
+    counting.nonfinite_counts = lambda group: None
+    rows_torch, order_torch = stats.param_grad_stats(grads, torch.device("cpu"))
+    counting.nonfinite_counts = real
+    equal = order == order_torch and torch.equal(rows[:, 1:], rows_torch[:, 1:])  # the count columns
+    return {"served": sum(s is not None for s in served), "equal": equal}
+
+
 if __name__ == "__main__":  # the interpreter's child process (TRITON_INTERPRET=1)
-    print(json.dumps({"mismatches": mismatches("cpu", interpreted=True), "groups": len(groups("cpu"))}))
+    print(json.dumps({"mismatches": mismatches("cpu", interpreted=True), "groups": len(groups("cpu")),
+                      "param_grad_stats": param_grad_stats_through_the_kernel()}))
