@@ -97,8 +97,10 @@ def _launch(kernel: Any, group: Sequence[torch.Tensor], addresses: Tuple[int, ..
         # Triton launches on the current device's current stream: the tensors' device,
         # and the stream their memory is ordered on (as a torch op on them would be)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            # enable_fp_fusion: the kernel has no multiply-add to fuse; said, so that Triton
+            # does not warn the user about its default
             kernel[(programs,)](group[base], offsets, work, out, ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK,
-                                CHUNK=CHUNK)
+                                CHUNK=CHUNK, enable_fp_fusion=False)
     return out
 
 
