@@ -63,10 +63,14 @@ def _counted(group: Sequence[torch.Tensor], interpreted: bool) -> Optional[torch
             or set(map(type, group)) != {torch.Tensor} or not all(map(torch.Tensor.is_contiguous, group))):
         return None
     addresses = tuple(map(torch.Tensor.data_ptr, group))
-    if any(map(itemsize.__rmod__, addresses)):  # not a whole number of elements apart
+    # 16-byte loads where every tensor starts on a 16-byte boundary (the allocator's blocks
+    # do; a view into a flat buffer may not), else one element at a time, which needs the
+    # tensors a whole number of elements apart
+    aligned = not any(map((16).__rmod__, addresses))
+    if not aligned and any(map(itemsize.__rmod__, addresses)):
         return None
     kernel = _kernel()
-    return None if kernel is None else _launch(kernel, group, addresses, itemsize)
+    return None if kernel is None else _launch(kernel, group, addresses, itemsize, 16 // itemsize if aligned else 1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,7 +82,8 @@ def _kernel() -> Any:
     return count_nonfinite
 
 
-def _launch(kernel: Any, group: Sequence[torch.Tensor], addresses: Tuple[int, ...], itemsize: int) -> torch.Tensor:
+def _launch(kernel: Any, group: Sequence[torch.Tensor], addresses: Tuple[int, ...], itemsize: int, align: int
+            ) -> torch.Tensor:
     device = group[0].device
     # The cached tables are kept per stream: one made (copied) on another stream would not
     # be ordered before this launch, nor its memory's reuse after it.
@@ -90,9 +95,6 @@ def _launch(kernel: Any, group: Sequence[torch.Tensor], addresses: Tuple[int, ..
         # the base pointer is a tensor with elements: an empty one's may be null, which
         # Triton refuses as an argument
         base = next(i for i, n in enumerate(numels) if n)
-        # 16-byte loads where every tensor starts on a 16-byte boundary (the allocator's
-        # blocks do; a view into a flat buffer may not)
-        align = 1 if any(map((16).__rmod__, addresses)) else 16 // itemsize
         offsets = _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[base]))), device, stream)
         # Triton launches on the current device's current stream: the tensors' device,
         # and the stream their memory is ordered on (as a torch op on them would be)
