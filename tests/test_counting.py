@@ -267,8 +267,12 @@ def test_one_tensors_counts_take_one_launch_and_no_copy_on_cuda(dtype):
 @needs_cuda
 @needs_triton
 @pytest.mark.cuda
-def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_on_cuda(monkeypatch):
+def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_and_exactly_on_cuda(monkeypatch):
+    """Three steps under set_sync_debug_mode("error"), then one whose gradients carry 768 NaN
+    (three rows of layer 0's weight) and 512 -Inf (one row of layer 2's): the exported counters
+    say exactly that."""
     import gradmon
+    from conftest import scrape, value
     from test_no_host_sync import RaiseOnSync, cuda_sync_is_an_error
     served = []
     real = counting.nonfinite_counts
@@ -290,11 +294,22 @@ def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_on_cuda(monke
         train(1)
         with cuda_sync_is_an_error(), RaiseOnSync():
             train(3)
+        rows = torch.arange(3, device="cuda")
+        hooks = [model[0].weight.register_hook(lambda g: g.index_fill(0, rows, float("nan"))),
+                 model[2].weight.register_hook(lambda g: g.index_fill(0, rows[:1], float("-inf")))]
+        train(1)
+        for hook in hooks:
+            hook.remove()
         assert mon.flush()
         errors = mon._errors.counts()
         snap = mon.snapshot()
-    assert snap.steps_total == 4 and sum(errors.values()) == 0, errors
+        samples = {k: v for k, v in scrape(mon.url).items() if dict(k[1]).get("model") == mon.name}
+    assert snap.steps_total == 5 and sum(errors.values()) == 0, errors
     assert served and all(s is not None for s in served) and not counting._failed
+    counts = {(layer, kind): value(samples, "gradmon_nonfinite_total", layer=layer, tensor="grad", kind=kind)
+              for layer in ("0", "2", "4") for kind in ("nan", "inf")}
+    assert counts == {("0", "nan"): 3 * 256, ("0", "inf"): 0, ("2", "nan"): 0, ("2", "inf"): 512,
+                      ("4", "nan"): 0, ("4", "inf"): 0}
 
 
 def param_grad_stats_through_the_kernel() -> dict:
