@@ -215,8 +215,9 @@ def test_parameter_gradient_norms_are_exact_for_large_small_and_strided_tensors_
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
 def test_nan_and_inf_counts_of_small_and_large_gradients_are_exact(device):
-    """Small gradients are counted together by segment, large ones each; both exact, on
-    the CPU (where only a non-finite norm is counted) and on a device (counted every step)."""
+    """Small gradients are counted together by segment, large ones each (on CUDA with Triton:
+    one launch per group, tests/test_counting.py); both exact, on the CPU (where only a
+    non-finite norm is counted) and on a device (counted every step)."""
     from gradmon.capture import kernels as stats
 
     torch.manual_seed(0)
