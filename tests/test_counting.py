@@ -267,7 +267,7 @@ def test_one_tensors_counts_take_one_launch_and_no_copy_on_cuda(dtype):
 @needs_cuda
 @needs_triton
 @pytest.mark.cuda
-def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_and_exactly_on_cuda(monkeypatch):
+def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_and_exactly_on_cuda(monkeypatch, tmp_path):
     """Three steps under set_sync_debug_mode("error"), then one whose gradients carry 768 NaN
     (three rows of layer 0's weight) and 512 -Inf (one row of layer 2's): the exported counters
     say exactly that."""
@@ -290,7 +290,8 @@ def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_and_exactly_o
             opt.step()
             opt.zero_grad(set_to_none=True)
     train(1)
-    with gradmon.attach(model, port=0, addr="127.0.0.1") as mon:  # the defaults: ordinary steps
+    # the defaults (ordinary steps); the poisoned step's incident bundle goes to tmp_path
+    with gradmon.attach(model, port=0, addr="127.0.0.1", incident_dir=str(tmp_path)) as mon:
         train(1)
         with cuda_sync_is_an_error(), RaiseOnSync():
             train(3)
