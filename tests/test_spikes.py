@@ -188,3 +188,64 @@ def test_the_tracker_counts_spike_steps_per_signal():
         tracker.observe("not_a_signal", 1.0)
     assert tracker.spikes == {"loss": 1, "grad_norm": 0}
     assert set(tracker.scores) == {"loss", "grad_norm"}
+
+
+def _eager(window, y, log_scale):
+    """The verdict as robust.score gives it on tensors, every step (the definition)."""
+    import torch
+    from gradmon import robust
+    score, above = robust.score(torch.tensor(window, dtype=torch.float64), torch.tensor(y, dtype=torch.float64),
+                                robust.LOG_FLOOR, log_scale)
+    return score.item(), score.item() > 6.0 and bool(above)
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_judged_step_decides_as_the_tensor_score_does_and_scores_only_when_read(raw, monkeypatch):
+    """The publisher's spike decision skips the tensor score for a value not above the
+    window's median; the decision, and the score when read, equal the definition's, also
+    for values on the median + ln 2 edge and one rounding above it; a healthy step never
+    computes it before it is read."""
+    import copy
+    from gradmon import robust
+    rng = random.Random(1)
+    calls = []
+    score = robust.score
+    monkeypatch.setattr(robust, "score", lambda *a: calls.append(1) or score(*a))
+    d = SpikeDetector(raw_below_zero=raw)
+    if raw:
+        d.update(-1.0)  # from now on a raw-scale series
+    series = [rng.uniform(1.0, 1.5) for _ in range(200)]
+    series[120] *= 4.0  # a spike
+    edges = 0
+    for i, v in enumerate(series):
+        window, log_scale = tuple(d._values), d.log_scale
+        probes = [v]
+        if len(window) >= d.min_steps:
+            s = sorted(window)
+            mid = (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+            edge = mid + (math.log(2.0) if log_scale else abs(mid))
+            probes += [math.exp(y) if log_scale else y for y in (edge, math.nextafter(edge, math.inf))]
+        for k, probe in reversed(list(enumerate(probes))):  # the real value last: it enters the window
+            before = len(calls)
+            judged = (d if k == 0 else copy.deepcopy(d)).judge(probe)
+            scored = len(calls) > before
+            if judged is None:
+                continue
+            expected_score, expected_spike = _eager(window, math.log(probe) if log_scale else probe, log_scale)
+            assert judged.spike == expected_spike
+            if k == 0 and i != 120:
+                assert not scored  # a healthy value: no tensor score until read
+            edges += k > 0 and scored
+            assert judged.score == expected_score
+    assert edges > 0 and len(calls) > 0
+
+
+def test_the_tracker_scores_a_signal_when_its_score_is_read():
+    from gradmon import robust
+    t = SpikeTracker(["norm"])
+    for step, v in enumerate(healthy_loss(100)):
+        t.new_step(step)
+        t.observe("norm", v)
+    judged = t._scores["norm"]
+    assert not isinstance(judged, float)
+    assert t.scores["norm"] == judged.score and isinstance(t._scores["norm"], float)

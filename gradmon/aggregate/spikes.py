@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -66,6 +66,12 @@ class SpikeDetector:
         return len(self._values)
 
     def update(self, value: float) -> Optional[Verdict]:
+        judged = self.judge(value)
+        return None if judged is None else Verdict(judged.score, judged.spike)
+
+    def judge(self, value: float) -> Optional["Judged"]:
+        """:meth:`update` with the score left to compute until it is read (:class:`Judged`):
+        the publisher decides every step whether it is a spike, a scrape reads the score."""
         if not math.isfinite(value):
             return None
         if self.log_scale and value <= 0:
@@ -74,15 +80,47 @@ class SpikeDetector:
             self.log_scale = False  # for good: this objective is not a positive quantity
             self.restart()
         y = math.log(value) if self.log_scale else value
-        verdict = self._score(y) if len(self._values) >= self.min_steps else None
+        judged = Judged(tuple(self._values), y, self) if len(self._values) >= self.min_steps else None
         self._values.append(y)
-        return verdict
+        return judged
 
-    def _score(self, y: float) -> Verdict:
-        score, above = robust.score(torch.tensor(self._values, dtype=torch.float64),
-                                    torch.tensor(y, dtype=torch.float64), self.floor, self.log_scale)
-        value = score.item()  # a CPU tensor of host values: nothing to wait for
-        return Verdict(value, value > self.threshold and bool(above))
+
+class Judged:
+    """One value judged against the window before it: whether it is a spike, decided at
+    once, and its score, computed with ``robust.score`` when first read.
+
+    A spike needs its value above the window's median (``robust.score``'s ``above``), which
+    the host reads off the sorted window with the same float64 operations in the same
+    order, so the same answer; only a value above it is scored at once. A step of a
+    healthy run then costs a sort of the window in Python, where the tensor score costs
+    some thirty small tensor operations on the publisher thread every step."""
+
+    __slots__ = ("_window", "_y", "_floor", "_log_scale", "_score", "spike")
+
+    def __init__(self, window: Tuple[float, ...], y: float, detector: SpikeDetector) -> None:
+        self._window, self._y = window, y
+        self._floor, self._log_scale = detector.floor, detector.log_scale
+        self._score: Optional[float] = None
+        self.spike = False
+        if self._above_median():
+            score, above = self._scored()
+            self.spike = score > detector.threshold and above
+
+    def _above_median(self) -> bool:
+        s = sorted(self._window)
+        n = len(s)
+        mid = (s[(n - 1) // 2] + s[n // 2]) / 2
+        return (self._y - mid) > (robust.LN2 if self._log_scale else abs(mid))
+
+    def _scored(self) -> Tuple[float, bool]:
+        score, above = robust.score(torch.tensor(self._window, dtype=torch.float64),
+                                    torch.tensor(self._y, dtype=torch.float64), self._floor, self._log_scale)
+        self._score = score.item()  # a CPU tensor of host values: nothing to wait for
+        return self._score, bool(above)
+
+    @property
+    def score(self) -> float:
+        return self._scored()[0] if self._score is None else self._score
 
 
 class LayerBaselines:
@@ -149,7 +187,7 @@ class SpikeTracker:
         self.detectors: Dict[str, SpikeDetector] = {
             s: SpikeDetector(window, min_steps, threshold, raw_below_zero=s in raw) for s in signals
             if s not in self.layers}
-        self.scores: Dict[str, float] = {}
+        self._scores: Dict[str, Union[float, Judged]] = {}  # a signal's last score, or the value to score
         self.spikes: Dict[str, int] = {s: 0 for s in signals}
         self.last: Dict[str, int] = {}  # signal -> the step count (``steps``) of its last spike
         self.this_step: Set[str] = set()  # the signals that spiked in the current step
@@ -159,6 +197,14 @@ class SpikeTracker:
         self._window = window
         self._step: Optional[int] = None
         self._lrs: Tuple[Optional[float], ...] = ()
+
+    @property
+    def scores(self) -> Dict[str, float]:
+        """Each signal's last score, computed now for a signal judged since the last read."""
+        for signal, score in self._scores.items():
+            if isinstance(score, Judged):
+                self._scores[signal] = score.score
+        return dict(self._scores)  # type: ignore[arg-type]
 
     def restart(self) -> None:
         self.restarts += 1
@@ -191,10 +237,10 @@ class SpikeTracker:
         detector = self.detectors.get(signal)
         if detector is None:
             return
-        verdict = detector.update(value)
-        if verdict is not None:
-            self.scores[signal] = verdict.score
-            self._count(signal, verdict.spike)
+        judged = detector.judge(value)
+        if judged is not None:
+            self._scores[signal] = judged
+            self._count(signal, judged.spike)
 
     def observe_layers(self, signal: str, values: Mapping[int, Optional[float]]) -> None:
         """One step's value of each layer of a layer signal (a gradient norm per layer):
@@ -205,7 +251,7 @@ class SpikeTracker:
         verdicts = [layers.update(layer, v) for layer, v in values.items() if v is not None]
         scored = [v for v in verdicts if v is not None]
         if scored:
-            self.scores[signal] = max(v.score for v in scored)
+            self._scores[signal] = max(v.score for v in scored)
             self._count(signal, any(v.spike for v in scored))
 
     def _count(self, signal: str, spike: bool) -> None:
