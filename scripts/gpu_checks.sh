@@ -27,7 +27,7 @@ part() {  # part NAME SECONDS COMMAND...
 nvidia-smi -L; $py -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, torch.cuda.get_device_name())'
 part tests 120 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_host_sync.py tests/test_stepguard.py tests/test_compile.py tests/test_statistics.py tests/test_counting.py
 common=(--device cuda --size gpt2 --bf16 --fused)
-part overhead 190 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds 10 --json "$out/overhead.json"
-TAIL=70 part launches 110 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled
+part overhead 190 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds ${GPU_CHECK_ROUNDS:-10} --json "$out/overhead.json"
+TAIL=70 part launches 200 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled
 # each copy's steps back to back, one flush per round: the fold overlaps the device's next step, as in a job
-part overhead_b2b 100 $py bench/bench_overhead.py "${common[@]}" --variants unmonitored_twin gradmon_defaults --no-memory --rounds 10 --back-to-back --json "$out/overhead_b2b.json"
+part overhead_b2b 100 $py bench/bench_overhead.py "${common[@]}" --variants unmonitored_twin gradmon_defaults --no-memory --rounds ${GPU_CHECK_ROUNDS:-10} --back-to-back --json "$out/overhead_b2b.json"
