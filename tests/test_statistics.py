@@ -213,6 +213,31 @@ def test_parameter_gradient_norms_are_exact_for_large_small_and_strided_tensors_
     assert [float(r[1]) for r, i in zip(rows, order) if i == 0] == [1.0]
 
 
+def test_large_cpu_gradients_take_one_root_for_the_group_and_the_same_norms_bit_for_bit():
+    """The large float32 gradients of a CPU step: their dot products stacked and rooted in
+    one kernel, equal to each one's own ``_l2``; a root per gradient would be back as
+    one dispatch per parameter every step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from gradmon.capture import kernels as stats
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    grads = [torch.randn(300, 200) * 10 ** k for k in range(-3, 4)]
+    with Ops() as ops:
+        norms = stats._norms(grads, torch.float32, small=False)
+    assert [n for n in ops.names if n.startswith("sqrt")] == ["sqrt_"]
+    assert ops.names.count("dot") == len(grads)
+    assert torch.equal(norms, torch.stack([stats._l2(g) for g in grads]))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
 def test_nan_and_inf_counts_of_small_and_large_gradients_are_exact(device):
     """Small gradients are counted together by segment, large ones each (on CUDA with Triton:

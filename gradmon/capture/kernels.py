@@ -56,11 +56,19 @@ def _l2(t: torch.Tensor) -> torch.Tensor:
     tensor finite (:func:`_host_says_finite`). Inside a compiled region the dot would be an
     extern call, which Inductor cannot fuse with the record's other reductions: there it
     is ``vector_norm``."""
-    if (t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.numel() >= _DOT_MIN
-            and t.is_contiguous() and not torch.compiler.is_compiling()):
-        flat = t.reshape(-1)
-        return torch.dot(flat, flat).sqrt()
+    if _takes_dot(t):
+        return _dot(t).sqrt()
     return torch.linalg.vector_norm(t, 2, dtype=_norm_dtype(t))
+
+
+def _takes_dot(t: torch.Tensor) -> bool:
+    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.numel() >= _DOT_MIN
+            and t.is_contiguous() and not torch.compiler.is_compiling())
+
+
+def _dot(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return torch.dot(flat, flat)
 
 
 def _counts(t: torch.Tensor) -> torch.Tensor:
@@ -420,6 +428,8 @@ def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool) -> to
         return torch.stack(torch._foreach_norm(group, 2, dtype=low))
     if small:
         return _segment_norms(group)
+    if all(map(_takes_dot, group)):  # one root for the group, not a root kernel per tensor
+        return torch.stack([_dot(g) for g in group]).sqrt_()
     return torch.stack([_l2(g) for g in group])
 
 
