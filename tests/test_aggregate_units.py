@@ -180,6 +180,37 @@ def test_layer_norms_are_read_once_per_step():
     assert f.layer_norms() == {}
 
 
+def test_baseline_ratios_settled_when_read_equal_those_settled_every_step(monkeypatch):
+    """A layer's ratio to its baseline is worked out when a snapshot reads it, not every
+    step: the same values as every step's, through NaN steps, steps without a layer, and
+    restarts; and no median is taken while nobody reads."""
+    import random
+    rng = random.Random(3)
+    every, late = (Folded(S.GRAD, 3, {"norm_baseline": 8}, slots=(0, 1, 2)) for _ in range(2))
+    gauge = next(g for g in S.GRAD.gauges if g.baseline)
+    medians = []
+    relative = S.relative
+    monkeypatch.setattr(S, "relative", lambda x, w: medians.append(1) or relative(x, w))
+    seen = set()
+    for step in range(80):
+        acc = {layer: (rng.uniform(1, 2) if (step + layer) % 7 else math.nan, 0.0, 0.0)
+               for layer in range(3) if (step * 5 + layer) % 4}
+        for f in (every, late):
+            if step % 17 == 16:
+                f.restart()
+            before = len(medians)
+            f.update_gauges({layer: f.combine(None, row, 1) for layer, row in acc.items()})
+            assert len(medians) == before  # nobody read: no median yet
+        before = len(medians)
+        every.settle()
+        assert len(medians) - before == len(acc)
+        seen.update(repr(r) for r in every.gauges[gauge])
+        if step % 3 == 2:
+            late.settle()
+            assert repr(late.gauges[gauge]) == repr(every.gauges[gauge])
+    assert {"None", "nan"} < seen and len(seen) > 10  # ratios before, with and after a NaN
+
+
 # -- the step scalars -------------------------------------------------------------------
 
 def test_the_running_minimum_of_the_loss_skips_a_non_finite_loss_and_a_step_without_one_keeps_the_last():

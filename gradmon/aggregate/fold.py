@@ -54,6 +54,7 @@ class Folded:
         # each baseline gauge's last values per layer, for its rolling median
         self.history: Dict[LayerGauge, List[Deque[float]]] = {
             g: [deque(maxlen=windows[g.baseline]) for _ in range(n)] for g in stat.gauges if g.baseline}
+        self._unsettled: Dict[Tuple[LayerGauge, int], Optional[float]] = {}  # values whose ratio waits for settle()
         self.total: Optional[float] = None
         columns = stat.columns
         self.nan = stat.index("nan") if stat.counter is not None else -1
@@ -180,17 +181,24 @@ class Folded:
         self.last = {}
         return norms
 
-    def value(self, gauge: LayerGauge, layer: int, columns: Mapping[str, float]) -> Optional[float]:
-        x = gauge.value(columns)
-        if not gauge.baseline:
-            return x
+    def _baseline(self, gauge: LayerGauge, layer: int, x: Optional[float]) -> None:
         window = self.history[gauge][layer]
         if x is not None and math.isfinite(x):
             window.append(x)  # a NaN step must not poison the baseline for a whole window
-        return S.relative(x, window)
+        self._unsettled[(gauge, layer)] = x
+
+    def settle(self) -> None:
+        """The ratios to their baselines of the values given since the last call, into the
+        gauges: a median per layer when a snapshot reads them, not every step. Each is the
+        ratio its own step would have had: a layer's window changes only with the layer's
+        next value, which replaces the one waiting, and at a restart, which settles first."""
+        for (gauge, layer), x in self._unsettled.items():
+            self.gauges[gauge][layer] = S.relative(x, self.history[gauge][layer])
+        self._unsettled.clear()
 
     def update_gauges(self, acc: Mapping[int, List[float]]) -> Dict[int, Dict[str, float]]:
-        """Every gauge of every layer this step has records of; each layer's columns."""
+        """Every gauge of every layer this step has records of (a baseline ratio waits for
+        :meth:`settle`); each layer's columns."""
         stores = [(gauge, self.gauges[gauge]) for gauge in self.stat.gauges]
         if not stores:
             return {}
@@ -198,11 +206,15 @@ class Folded:
         for layer, a in acc.items():
             columns = every[layer] = self.columns(a)
             for gauge, store in stores:
-                store[layer] = gauge.value(columns) if gauge.baseline is None else self.value(gauge, layer, columns)
+                if gauge.baseline is None:
+                    store[layer] = gauge.value(columns)
+                else:
+                    self._baseline(gauge, layer, gauge.value(columns))
         return every
 
     def restart(self) -> None:
         """Forget the baselines declared to restart with the spike windows."""
+        self.settle()
         for gauge, windows in self.history.items():
             if gauge.restarts:
                 for window in windows:

@@ -159,6 +159,7 @@ def per_layer(folded: Iterable[Folded], cells: Mapping[str, List[List[int]]], na
     counters from ``cells`` (statistic -> per layer [NaN, Inf]), and the worst layers."""
     gauges, counters, rank_counts, worst = [], [], [], []
     for f in folded:
+        f.settle()
         st = f.stat
         for gauge in st.gauges:
             values = f.gauges[gauge]
