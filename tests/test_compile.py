@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections import OrderedDict
 
 import pytest
@@ -149,6 +150,9 @@ def test_detail_statistics_are_computed_only_in_the_gated_branch(runs):
     assert any("aminmax" in k for k in top), top
     assert not [k for k in top if "vector_norm" in k or "isnan" in k or "isinf" in k], top
     assert "linalg_vector_norm" in forward and "isnan" in forward  # made, inside the branches
+    # the branches not taken return tensors left unwritten: no kernel on an ordinary step
+    blanks = [re.split(r"\n(?=\S)", part, maxsplit=1)[0] for part in forward.split("\ndef false_graph_")[1:]]
+    assert blanks and not [b for b in blanks if "cpp_fused" in b], blanks
 
 
 def test_attaching_after_the_first_compiled_call_is_said_and_a_reset_recovers(attach, caplog):

@@ -21,7 +21,7 @@ compiled code never reads is replayed after the graph runs and guarded on nothin
 names no layer index, so the identical blocks of a model compiled block by block share one
 compiled graph. The host takes them (:meth:`TracedSlots.take`) after the forward, at the
 end of backward or of the step; on other steps than detail steps the gated records are
-zeros, and dropped.
+left unwritten, and dropped.
 
 A module holds one call's records: a layer called several times in one forward, or one
 model's several forwards before a backward, keeps its last call's (docs/limits.md).
@@ -139,7 +139,7 @@ def _records(statistics: Sequence[Statistic], values: Any, gate: torch.Tensor) -
 def _on_detail_steps(statistics: Sequence[Statistic], x: torch.Tensor, gate: torch.Tensor
                      ) -> Dict[str, Tuple[torch.Tensor, ...]]:
     """The records of ``statistics`` of ``x`` made in one branch taken where ``gate`` holds
-    True, zeros of the same shapes otherwise (the host drops them). The branches must agree
+    True, tensors of the same shapes left unwritten otherwise (the host drops them). The branches must agree
     on their outputs' shapes and dtypes: read from a call made at trace time whose results
     nothing uses, so the compiler drops its work (tests/test_compile.py checks that the
     generated code reduces nothing outside the branch)."""
@@ -153,7 +153,10 @@ def _on_detail_steps(statistics: Sequence[Statistic], x: torch.Tensor, gate: tor
     like = [[(tuple(part.shape), part.dtype) for part in st.record(x)] for st in statistics]
 
     def blank(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        return tuple(x.new_zeros(shape, dtype=dtype) for parts in like for shape, dtype in parts)
+        # never read (the gate and the host's detail flag are set together, and the host takes
+        # detail records on detail steps only): left unwritten, where zeros would cost a kernel
+        # per layer on every ordinary step
+        return tuple(x.new_empty(shape, dtype=dtype) for parts in like for shape, dtype in parts)
 
     flat = iter(made(x) if _replayed_as_graphs() else torch.cond(gate, made, blank, (x,)))
     return {st.name: tuple(next(flat) for _ in parts) for st, parts in zip(statistics, like)}
