@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gradmon import metrics as M
 from servers import binary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,9 +205,24 @@ def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path, 
             assert got == close or (math.isnan(got) and math.isnan(value)), (step, key)
 
 
+class _Replays(dict):
+    """Whole recordings replayed in process once for the module, on first use: the families the
+    rules read and the loss (a replay is most of a test's time here)."""
+
+    def __missing__(self, name: str) -> inprocess.Series:
+        wanted = replay.read_by(pr.shipped_rules())
+        self[name] = inprocess.expositions(name, lambda n: n == "gradmon_loss" or wanted(n))
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def replays() -> _Replays:
+    return _Replays()
+
+
 @pytest.mark.parametrize("name", FAST)
-def test_the_replay_steps_the_monitor_once_per_recorded_step_with_its_loss(name):
-    series = inprocess.expositions(name, lambda n: n in ("gradmon_steps_total", "gradmon_loss"))
+def test_the_replay_steps_the_monitor_once_per_recorded_step_with_its_loss(replays, name):
+    series = replays[name]
     steps = next(v for k, v in series.items() if k.startswith("gradmon_steps_total{"))
     loss = next(v for k, v in series.items() if k.startswith("gradmon_loss{"))
     recorded = files.losses(name)
@@ -233,16 +250,31 @@ def test_the_timeline_pages_a_nonfinite_gradient_at_the_first_evaluation_that_se
 
 
 @pytest.fixture(scope="module")
-def one_by_one():
-    """The PROMTOOL runs replayed in process, and each evaluated alone at 10 s/step (the reference path)."""
+def one_by_one(replays):
+    """The PROMTOOL runs replayed in process (to the steps scored), and each evaluated alone at
+    10 s/step (the reference path)."""
     labels = json.loads(files.LABELS.read_text())["labels"]
     rules = pr.shipped_rules()
     out = {}
     for name in PROMTOOL:
         steps = score.replay_steps(labels[name], RUNS[name]["steps"])
-        series = inprocess.expositions(name, replay.read_by(rules), steps)
+        series = score.first_steps(replays[name], steps)
         out[name] = (series, steps, pr.timeline(series, steps, pr.Mapping(10.0), binary("promtool"), rules))
     return out
+
+
+def test_a_whole_replay_cut_to_its_first_steps_is_the_replay_of_those_steps(replays):
+    """The scorer and these tests cut whole replays to the steps scored (``score.first_steps``):
+    the same as replaying those steps only, so long as nothing in the replay looks ahead."""
+    name, steps = "cnn-poisoned-batch-s0", 300
+    wanted = replay.read_by(pr.shipped_rules())
+    series = inprocess.expositions(name, wanted, steps)
+    cut = {k: v for k, v in score.first_steps(replays[name], steps).items() if wanted(k.split("{")[0])}
+
+    def exact(s: inprocess.Series) -> dict:
+        return {k: [repr(x) for x in v] for k, v in s.items()}  # a NaN equals a NaN here
+
+    assert exact(series) == exact(cut)
 
 
 @pytest.mark.parametrize("name", PROMTOOL)
@@ -272,6 +304,28 @@ def test_rules_that_could_compare_two_jobs_are_named():
     assert pr.mixes_runs(pr.shipped_rules()) == []
 
 
+def _promql_names(expr: str) -> set:
+    """The identifiers of a PromQL expression outside its string literals (metric names among them)."""
+    return set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)))
+
+
+def test_promtool_is_handed_every_family_a_shipped_rule_reads():
+    """The scorer loads promtool with the families the rules read only (``replay.read_by``, less
+    the machine's families, plus the step timestamp the mapping writes): a family a rule names
+    that the filter dropped would leave that rule silently unable to fire."""
+    rules = pr.shipped_rules()
+    wanted = replay.read_by(rules)
+    handed = {n for spec in M.ALL_SPECS for n in M.exposed_names(spec) if wanted(n) and n not in inprocess.DROPPED}
+    handed.add(M.LAST_STEP_TIMESTAMP.name)
+    exported = {n for spec in M.ALL_SPECS for n in M.exposed_names(spec)}
+    for rule in (r for g in rules["groups"] for r in g["rules"]):
+        read = _promql_names(rule["expr"]) & exported
+        assert read <= handed, (rule.get("alert") or rule.get("record"), read - handed)
+    assert len(handed) < len(exported) / 2  # the filter does cut: promtool's time grows with its series
+    by_pattern = {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": '{__name__=~"gradmon_loss.*"} > 1'}]}]}
+    assert replay.read_by(by_pattern)("gradmon_loss")  # a rule the names cannot tell: nothing dropped
+
+
 # -- the shipped rules on tune runs (issue 23: the tune split's criteria may be a plain test) --
 
 TUNE_CASES = {  # one run of each kind the criteria name, and the hardest tune negatives
@@ -283,10 +337,11 @@ TUNE_CASES = {  # one run of each kind the criteria name, and the hardest tune n
 
 
 @pytest.fixture(scope="module")
-def tune_scores():
-    """The scorer's own path (in-process replay, then the four runs in one promtool run)."""
+def tune_scores(replays):
+    """The scorer's own path (the in-process replays, then the four runs in one promtool run)."""
     assert all(RUNS[name]["split"] == "tune" for name in TUNE_CASES)
-    return {s.name: s for s in score.score(list(TUNE_CASES), (10.0,), binary("promtool"), jobs=1)}
+    return {s.name: s for s in score.score(list(TUNE_CASES), (10.0,), binary("promtool"), jobs=1,
+                                           replayed={name: replays[name] for name in TUNE_CASES})}
 
 
 def test_a_healthy_tune_run_never_pages_at_10_s_per_step(tune_scores):
@@ -316,6 +371,19 @@ def test_a_run_scored_with_others_fires_what_it_fires_alone(tune_scores, one_by_
 
 
 # -- the metrics -------------------------------------------------------------------------------
+
+
+def test_the_promtool_batches_hold_every_run_once_a_rate_one_a_core_at_least_costliest_first():
+    work = [score._Work(f"r{i}", {}, "tune", steps) for i, steps in enumerate([2000] * 20 + [300] * 5)]
+    plan = score.batches(work, (1.0, 60.0), jobs=2, batch=16)
+    for rate in (1.0, 60.0):
+        sizes = [len(runs) for r, runs in plan if r == rate]
+        assert sorted(sizes) == [12, 13]  # two cores: two near-equal batches, though 16 would fit 25 in two
+        assert sorted(w.name for r, runs in plan if r == rate for w in runs) == sorted(w.name for w in work)
+    assert [r for r, _ in plan] == [60.0, 60.0, 1.0, 1.0]
+    assert [w.steps for w in plan[0][1]] == [2000] * 12  # the long runs together: none idles in a long run
+    assert [len(runs) for _, runs in score.batches(work, (10.0,), jobs=2, batch=6)] == [5, 5, 5, 5, 5]
+    assert [len(runs) for _, runs in score.batches(work[:1], (10.0,), jobs=2, batch=6)] == [1]
 
 
 def test_wilson_intervals_of_known_proportions():

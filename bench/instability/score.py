@@ -35,7 +35,6 @@ appended to ``corpus/test-split-log.jsonl`` with the commit, so repeated peeking
 from __future__ import annotations
 
 import argparse
-import collections
 import concurrent.futures
 import json
 import math
@@ -170,18 +169,6 @@ def replay_steps(lab: dict, total: int) -> int:
     return min(total, lab["divergence"] + AFTER_DIVERGENCE) if lab["kind"] == labeler.DIVERGING else total
 
 
-def score_run(name: str, lab: dict, split: str, rates: Sequence[float], binary: str,
-              rules: Optional[dict] = None, promtool_rates: Optional[Sequence[float]] = None) -> List[RunScore]:
-    """The run replayed once in process, then through promtool at every rate in one promtool
-    run (``promtool_rates`` is accepted and unused, as before)."""
-    rules = rules if rules is not None else pr.shipped_rules()
-    steps = replay_steps(lab, len(files.losses(name)))
-    series = inprocess.expositions(name, replay.read_by(rules), steps)
-    firing = pr.timelines([(series, steps, pr.Mapping(rate)) for rate in rates], binary, rules)
-    return [RunScore(name, lab["kind"], split, rate, steps, lab["divergence"], lab["spikes"], f)
-            for rate, f in zip(rates, firing)]
-
-
 # -- summaries -----------------------------------------------------------------------------
 
 
@@ -302,7 +289,8 @@ def log_test_scoring(scores: Sequence[RunScore], rates: Sequence[float], at: str
         f.write(json.dumps(entry, sort_keys=True) + "\n")
 
 
-BATCH = 6  # runs a promtool run evaluates at once: its per-evaluation share is paid once for all of them
+BATCH = 16  # most runs a promtool run evaluates at once: its per-evaluation share is paid once for all
+# of them, and its memory grows with them
 
 
 @dataclass(frozen=True)
@@ -319,12 +307,38 @@ def _replay_one(job: Tuple[_Work, dict]) -> Tuple[str, pr.Series, float]:
     return work.name, inprocess.expositions(work.name, replay.read_by(rules), work.steps), time.monotonic() - t0
 
 
+def batches(work: Sequence[_Work], rates: Sequence[float], jobs: int, batch: int) -> List[Tuple[float, List[_Work]]]:
+    """The promtool runs: at each rate, the runs (longest first, so that a batch's runs end
+    together and none idles in a long promtool run) cut into near-equal batches of at most
+    ``batch``, and at least ``jobs`` of them where there are runs enough, so that every core has
+    one; the costliest first (evaluations x steps replayed), so that the cores end together."""
+    ordered = sorted(work, key=lambda w: (-w.steps, w.name))
+    count = min(len(ordered), max(jobs, math.ceil(len(ordered) / max(1, batch)))) if ordered else 0
+    cuts = [round(i * len(ordered) / count) for i in range(count + 1)]
+    out = [(rate, ordered[a:b]) for rate in rates for a, b in zip(cuts, cuts[1:])]
+
+    def cost(entry: Tuple[float, List[_Work]]) -> float:
+        rate, runs = entry
+        return pr.Mapping(rate).evaluations(runs[0].steps) * sum(w.steps for w in runs)
+
+    return sorted(out, key=cost, reverse=True)
+
+
+def first_steps(series: pr.Series, steps: int) -> pr.Series:
+    """A longer replay's expositions cut to its first ``steps`` steps: what a replay of those steps
+    gives (the replay only looks back), series that had no sample yet left out."""
+    cut = {key: values[:steps + 1] for key, values in series.items()}
+    return {key: values for key, values in cut.items() if any(v is not None for v in values)}
+
+
 def score(names: Iterable[str], rates: Sequence[float], binary: str, jobs: int = 1, progress: bool = False,
-          batch: int = BATCH, slow: bool = False, rules: Optional[dict] = None) -> List[RunScore]:
-    """Score the runs: each replayed in process once (``jobs`` processes at a time), then ``batch``
-    runs of similar length at a time through promtool, one promtool run per rate (``jobs``
-    promtool runs at a time, beside the replays). ``slow``: the reference path, one promtool
-    run per run and rate (:func:`promreplay.timeline`), which the batched path must equal."""
+          batch: int = BATCH, slow: bool = False, rules: Optional[dict] = None,
+          replayed: Optional[Dict[str, pr.Series]] = None) -> List[RunScore]:
+    """Score the runs: each replayed in process once for every rate (``jobs`` processes at a
+    time), then evaluated with promtool in :func:`batches` (``jobs`` promtool runs at a time).
+    ``slow``: the reference path, one promtool run per run and rate (:func:`promreplay.timeline`),
+    which the batched path must equal. ``replayed``: replays already made, by run, of at least
+    the steps scored and the families the rules read (the tests share theirs)."""
     rules = rules if rules is not None else pr.shipped_rules()
     jobs = max(1, jobs)
     manifest = files.manifest()["runs"]
@@ -336,50 +350,30 @@ def score(names: Iterable[str], rates: Sequence[float], binary: str, jobs: int =
         check_recording(name, manifest[name])
         work.append(_Work(name, labels[name], manifest[name]["split"],
                           replay_steps(labels[name], manifest[name]["steps"])))
-    # a batch's runs end together (none idles in a long promtool run), and the longest go first:
-    # the last promtool runs, which may run alone, are then the short ones
-    work.sort(key=lambda w: (-w.steps, w.name))
-    batch = 1 if slow else max(1, batch)
-    batches = [work[i:i + batch] for i in range(0, len(work), batch)]
-
-    def evaluate(runs: List[Tuple[_Work, pr.Series]], rate: float) -> List[RunScore]:
-        replayed = [(series, w.steps, pr.Mapping(rate)) for w, series in runs]
-        firing = [pr.timeline(*r, binary, rules) for r in replayed] if slow else pr.timelines(replayed, binary, rules)
-        return [RunScore(w.name, w.lab["kind"], w.split, rate, w.steps, w.lab["divergence"], w.lab["spikes"], f)
-                for (w, _), f in zip(runs, firing)]
-
-    out: List[RunScore] = []
     t0 = time.monotonic()
-    with (multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else _Serial()) as pool, \
-            concurrent.futures.ThreadPoolExecutor(jobs) as promtool:
-        ahead = iter(work)
-        replays: collections.deque = collections.deque()  # in order; a few ahead, so their series wait briefly
-        pending: collections.deque = collections.deque()
-        for runs in batches:
-            done = []
-            for w in runs:
-                while len(replays) < jobs + batch and (nxt := next(ahead, None)) is not None:
-                    replays.append(pool.apply_async(_replay_one, ((nxt, rules),)))
-                name, series, seconds = replays.popleft().get()
-                assert name == w.name
-                done.append((w, series))
-                if progress:
-                    print(f"  {name}: replayed in {seconds:.1f} s", file=sys.stderr, flush=True)
-            pending += [(promtool.submit(evaluate, done, rate), [w.name for w in runs], rate) for rate in rates]
-            while len(pending) > 2 * jobs * len(rates):  # each holds its batch's series: bounded
-                out += _finish(pending.popleft(), progress, t0)
-        while pending:
-            out += _finish(pending.popleft(), progress, t0)
-    return out
+    # every replay first: they keep both cores busy, and then the promtool runs can go costliest
+    # first (waiting on a batch's last replay would leave a core idle at the end instead)
+    series = {w.name: first_steps(replayed[w.name], w.steps) for w in work if w.name in (replayed or {})}
+    with (multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else _Serial()) as pool:
+        for name, expositions, seconds in pool.imap_unordered(_replay_one, [(w, rules) for w in work
+                                                                            if w.name not in series]):
+            series[name] = expositions
+            if progress:
+                print(f"  {name}: replayed in {seconds:.1f} s", file=sys.stderr, flush=True)
 
+    def evaluate(rate: float, runs: List[_Work]) -> List[RunScore]:
+        replayed = [(series[w.name], w.steps, pr.Mapping(rate)) for w in runs]
+        firing = [pr.timeline(*r, binary, rules) for r in replayed] if slow else pr.timelines(replayed, binary, rules)
+        if progress:
+            print(f"  promtool at {rate:g} s/step: {', '.join(w.name for w in runs)} done at "
+                  f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        return [RunScore(w.name, w.lab["kind"], w.split, rate, w.steps, w.lab["divergence"], w.lab["spikes"], f)
+                for w, f in zip(runs, firing)]
 
-def _finish(entry: tuple, progress: bool, t0: float) -> List[RunScore]:
-    future, names, rate = entry
-    scores = future.result()
-    if progress:
-        print(f"  promtool at {rate:g} s/step: {', '.join(names)} done at {time.monotonic() - t0:.0f} s",
-              file=sys.stderr, flush=True)
-    return scores
+    with concurrent.futures.ThreadPoolExecutor(jobs) as promtool:
+        plan = batches(work, rates, jobs, 1 if slow else batch)
+        done = [promtool.submit(evaluate, rate, runs) for rate, runs in plan]
+        return [s for future in done for s in future.result()]
 
 
 class _Serial:
@@ -391,16 +385,8 @@ class _Serial:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def apply_async(self, fn, args):
-        return _Done(fn(*args))
-
-
-@dataclass
-class _Done:
-    value: object
-
-    def get(self) -> object:
-        return self.value
+    def imap_unordered(self, fn, items):
+        return map(fn, items)
 
 
 def main() -> None:
@@ -408,8 +394,9 @@ def main() -> None:
     p.add_argument("--split", choices=("tune", "test", "both"), default="both")
     p.add_argument("--runs", nargs="*", help="only these runs")
     p.add_argument("--rates", nargs="*", type=float, default=list(RATES), help="seconds per step")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs scored at once (default: CPUs)")
-    p.add_argument("--batch", type=int, default=BATCH, help="runs one promtool run evaluates together")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="replays and promtool runs at once (default: CPUs)")
+    p.add_argument("--batch", type=int, default=BATCH, help="most runs one promtool run evaluates together")
     p.add_argument("--slow", action="store_true", help="the reference path: one promtool run per run and rate "
                                                        "(what the batched path is checked against)")
     p.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
