@@ -6,8 +6,10 @@ kernel launches it adds on a GPU (bench/bench_launches.py counts those where a G
 
 ``--as-device`` makes the CPU take what a device takes: the NaN/Inf counts computed every
 step (a CPU reads a finite norm for free and skips them; a device cannot without a sync),
-the norms through ``_foreach_norm``, and Adam's step counts kept as tensors. Views (no
-kernel) are not counted. Printed: operations per step for the unmonitored model, what
+the norms through ``_foreach_norm``, and Adam's step counts kept as tensors. The counts are
+the torch ops' (``isnan``, ``isinf``, sums): on a CUDA device with Triton each group's or
+tensor's counts are one Triton launch instead (``capture/counting.py``), which a CPU cannot
+take. Views (no kernel) are not counted. Printed: operations per step for the unmonitored model, what
 gradmon adds on ordinary and detail steps, and the commonest added operations.
 """
 
