@@ -384,10 +384,11 @@ LOCAL = Statistic(
 # Only the extremes: aminmax is one pass with no temporary, cannot overflow (a float32
 # sum of large finite values can), and keeps the sign of an Inf, so that a -Inf a float
 # attention mask always carries is told apart from a new +Inf or NaN. Never counted in
-# gradmon_nonfinite_total: it only says where a non-finite step started.
+# gradmon_nonfinite_total: it only says where a non-finite step started, so a finite
+# output checked on the CPU may carry bounds instead (stats.finite_check).
 BLOCK_FINITE = Statistic(
     "block_finite", None, BLOCK, ((Column("lo", MIN),), (Column("hi", MAX),)),
-    lambda output: stats.extremes(output), origin=M.TENSOR_BLOCK,
+    lambda output: stats.finite_check(output), origin=M.TENSOR_BLOCK,
     derive=("activation", lambda parts: (parts[0][1], parts[0][2])),
     record_many=lambda outputs, home: stats.extremes_many(outputs, home))
 
@@ -395,7 +396,7 @@ BLOCK_FINITE = Statistic(
 # NaN started in is then named on any step, not only on detail steps.
 LAYER_FINITE = Statistic(
     "layer_finite", "origin_per_layer", LAYER, ((Column("lo", MIN),), (Column("hi", MAX),)),
-    lambda output: stats.extremes(output), origin=M.TENSOR_ACTIVATION)
+    lambda output: stats.finite_check(output), origin=M.TENSOR_ACTIVATION)
 
 # ‖Δw‖ and ‖w_{t-1}‖ fold as norms and are divided only in the gauge, so that a group
 # of layers (or a parameter's shards) gets the ratio of its sums, not a sum of ratios.

@@ -213,12 +213,9 @@ def test_parameter_gradient_norms_are_exact_for_large_small_and_strided_tensors_
     assert [float(r[1]) for r, i in zip(rows, order) if i == 0] == [1.0]
 
 
-def test_large_cpu_gradients_take_one_root_for_the_group_and_the_same_norms_bit_for_bit():
-    """The large float32 gradients of a CPU step: their dot products stacked and rooted in
-    one kernel, equal to each one's own ``_l2``; a root per gradient would be back as
-    one dispatch per parameter every step."""
+def _op_names():
+    """A dispatch mode that lists the aten ops run inside it (``.names``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from gradmon.capture import kernels as stats
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -228,14 +225,58 @@ def test_large_cpu_gradients_take_one_root_for_the_group_and_the_same_norms_bit_
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.names.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
+    return Ops()
+
+
+def test_large_cpu_gradients_take_one_root_for_the_group_and_the_same_norms_bit_for_bit():
+    """The large float32 gradients of a CPU step: their dot products stacked and rooted in
+    one kernel, equal to each one's own ``_l2``; a root per gradient would be back as
+    one dispatch per parameter every step."""
+    from gradmon.capture import kernels as stats
 
     torch.manual_seed(0)
     grads = [torch.randn(300, 200) * 10 ** k for k in range(-3, 4)]
-    with Ops() as ops:
+    with _op_names() as ops:
         norms = stats._norms(grads, torch.float32, small=False)
     assert [n for n in ops.names if n.startswith("sqrt")] == ["sqrt_"]
     assert ops.names.count("dot") == len(grads)
     assert torch.equal(norms, torch.stack([stats._l2(g) for g in grads]))
+
+
+def test_a_finite_cpu_block_output_is_proved_finite_by_one_dot_and_a_non_finite_one_gets_exact_extremes():
+    """The block check on the CPU: a finite float32 output costs one dot product (no
+    aminmax) and carries bounds of its values; a NaN, an Inf of either sign, or squares
+    that overflow get the exact extremes and, by batch row, which rows hold them;
+    bfloat16 is read exactly as before."""
+    from gradmon.capture import kernels as stats
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, 48)
+    with _op_names() as ops:
+        lo, hi, rows = stats.finite_check(x, 8)
+    assert "dot" in ops.names and not [n for n in ops.names if n.startswith(("aminmax", "amin", "amax", "min", "max"))]
+    norm = float(torch.linalg.vector_norm(x.double()))
+    assert float(hi) == pytest.approx(norm, rel=1e-5) and float(lo) == -float(hi)
+    assert float(lo) <= float(x.min()) and float(x.max()) <= float(hi)
+    assert S.nonfinite_flags(float(lo), float(hi)) == 0 and torch.equal(rows, torch.zeros(8, 2))
+    assert [float(v) for v in stats.finite_check(x)] == [float(lo), float(hi)]
+
+    for row, value, flag in ((5, "nan", S.NAN_FLAG), (2, "inf", S.POS_INF_FLAG), (7, "-inf", S.NEG_INF_FLAG)):
+        bad = x.clone()
+        bad[row, 3, 4] = float(value)
+        lo, hi, rows = stats.finite_check(bad, 8)
+        assert S.nonfinite_flags(float(lo), float(hi)) == flag, value
+        assert [r for r in range(8) if S.nonfinite_flags(float(rows[r, 0]), float(rows[r, 1]))] == [row]
+
+    huge = x * 1e20  # finite, but its squares overflow float32: the exact extremes, not a false alarm
+    lo, hi, rows = stats.finite_check(huge, 8)
+    assert (float(lo), float(hi)) == (float(huge.min()), float(huge.max()))
+    assert S.nonfinite_flags(float(lo), float(hi)) == 0
+
+    low = x.bfloat16()
+    with _op_names() as ops:
+        lo, hi = stats.finite_check(low)
+    assert "dot" not in ops.names and (float(lo), float(hi)) == (float(low.min()), float(low.max()))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])

@@ -429,7 +429,7 @@ class StepRecords:
         if derived:
             return derived
         if st is S.BLOCK_FINITE and stats.has_rows(t, self.rows.size):
-            lo, hi, rows = stats.extremes(t, self.rows.size)
+            lo, hi, rows = stats.finite_check(t, self.rows.size)
             self.rows.pending.append((key, rows, 0, self.rows.size))
             return lo, hi
         return st.record(t)
