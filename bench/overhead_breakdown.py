@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import functools
+import io
+import pstats
 import sys
 import threading
 import time
@@ -54,9 +57,12 @@ def _cpu_seconds(threads: List[threading.Thread]) -> float:
     return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads if t.is_alive())
 
 
-def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = False) -> Dict[str, float]:
+def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = False,
+              profile: int = 0) -> Dict[str, float]:
     """ms per step of each timed function, ``host`` and ``publisher``, for gradmon attached
-    with ``options``; ``cpu``: timed with the training thread's CPU clock."""
+    with ``options``; ``cpu``: timed with the training thread's CPU clock. ``profile``:
+    print the ``profile`` functions of the monitored copy's steps (and flushes) that
+    cProfile finds costliest in their own time, instead of timing hook by hook."""
     import gradmon
     from gradmon.capture import forward, guard, hooks, optimizer, writer
     from gradmon.capture import kernels as stats
@@ -66,22 +72,40 @@ def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = 
     for module in (guard, forward):  # gradmon's own clock (host)
         module.perf_counter = clock  # type: ignore[attr-defined]
     totals: Dict[str, float] = collections.defaultdict(float)
-    for name in RECORDER:
-        _timed(hooks.Recorder, name, totals, clock)
-    for name in FORWARD:
-        _timed(forward.Forward, name, totals, clock)
-    for name in STATS:
-        _timed(stats, name, totals, clock)
-    _timed(optimizer, "read", totals, clock)
-    _timed(writer, "write", totals, clock)
+    if not profile:
+        for name in RECORDER:
+            _timed(hooks.Recorder, name, totals, clock)
+        for name in FORWARD:
+            _timed(forward.Forward, name, totals, clock)
+        for name in STATS:
+            _timed(stats, name, totals, clock)
+        _timed(optimizer, "read", totals, clock)
+        _timed(writer, "write", totals, clock)
     copies = [bench.make_training() for _ in range(3)]
     monitor = gradmon.attach(copies[0][0], registry=CollectorRegistry(), final_scrape_timeout=0, **options)
     publisher = [t for t in threading.enumerate() if t.name.startswith("gradmon-publisher")]
+    profiler = cProfile.Profile() if profile else None
+    # on CUDA the backward and its end-of-backward callback run on autograd's device thread,
+    # which the main thread's profiler does not see: that callback gets a profiler of its own
+    backward = cProfile.Profile() if profile and bench.SETUP["device"] != "cpu" else None
+    if backward is not None:
+        after = hooks.Recorder._after_backward
+
+        def profiled(self):  # type: ignore[no-untyped-def]
+            return backward.runcall(after, self)
+        hooks.Recorder._after_backward = profiled
     try:
         def round_() -> None:
-            for _, _, step in copies:
-                step()
+            for i, (_, _, step) in enumerate(copies):
+                if i == 0 and profiler is not None and not totals.get("warm-up"):
+                    profiler.enable()
+                    step()
+                    monitor.flush(10)
+                    profiler.disable()
+                else:
+                    step()
             monitor.flush(10)
+        totals["warm-up"] = 1.0
         for _ in range(discard):
             round_()
         totals.clear()
@@ -91,9 +115,21 @@ def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = 
         out = {name: seconds / steps * 1000 for name, seconds in totals.items()}
         out["host"] = (monitor._recorder.overhead - before) / steps * 1000
         out["publisher"] = (_cpu_seconds(publisher) - folded) / steps * 1000
+        if profiler is not None:
+            text = io.StringIO()
+            for what, prof in (("steps and flushes", profiler), ("end-of-backward callbacks", backward)):
+                if prof is None:
+                    continue
+                stats_ = pstats.Stats(prof, stream=text)
+                print(f"cProfile of the monitored copy's {what}, {steps} steps (seconds in all):", file=text)
+                stats_.sort_stats("tottime").print_stats(profile)
+                stats_.sort_stats("cumulative").print_stats("gradmon/", profile)
+            print(text.getvalue())
         return out
     finally:
         monitor.detach()
+        if backward is not None:
+            hooks.Recorder._after_backward = after
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -105,10 +141,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="time with the training thread's CPU clock (with --threads 1: all of its kernels)")
     p.add_argument("--options", nargs="*", default=["detail_every=1", "optimizer_every=1"], metavar="KEY=VALUE",
                    help="gradmon.attach options (default: every family every step)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="instead of timing hook by hook, print the N costliest functions (own time) of the "
+                        "monitored copy's steps under cProfile: where the host time goes, torch calls included")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (as bench_overhead.py)")
+    p.add_argument("--size", choices=sorted(bench.SIZES), default="reference")
+    p.add_argument("--bf16", action="store_true", help="train under bf16 autocast")
+    p.add_argument("--fused", action="store_true", help="fused AdamW (a CUDA kernel)")
     a = p.parse_args(argv)
+    bench.SETUP.update(size=a.size, device=a.device, bf16=a.bf16, fused=a.fused)
     torch.set_num_threads(a.threads)
     options = dict(bench._option(kv) for kv in a.options)
-    result = breakdown(options, a.steps, a.discard, a.cpu)
+    result = breakdown(options, a.steps, a.discard, a.cpu, a.profile)
     clock = "training thread's CPU" if a.cpu else "wall"
     print(f"gradmon {options}, {a.steps} steps, {a.threads} threads, ms per step of {clock} time "
           f"(nested entries included in their callers; publisher: its thread's CPU time):")
