@@ -87,7 +87,9 @@ def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = 
     profiler = cProfile.Profile() if profile else None
     # on CUDA the backward and its end-of-backward callback run on autograd's device thread,
     # which the main thread's profiler does not see: that callback gets a profiler of its own
-    backward = cProfile.Profile() if profile and bench.SETUP["device"] != "cpu" else None
+    # (from Python 3.12 on, cProfile sees every thread: one profiler serves)
+    backward = (cProfile.Profile() if profile and bench.SETUP["device"] != "cpu" and sys.version_info < (3, 12)
+                else None)
     if backward is not None:
         after = hooks.Recorder._after_backward
 
