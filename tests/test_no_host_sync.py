@@ -254,6 +254,26 @@ def test_batch_ids_given_as_a_tensor_and_the_row_hash_never_sync_on_cuda(ids, tm
     incident_under_raise_on_sync("cuda", tmp_path, ids, cuda_sync_is_an_error)
 
 
+@needs_cuda
+@pytest.mark.cuda
+def test_a_thread_waiting_for_a_packet_on_cuda_sleeps_instead_of_spinning():
+    """The publisher waits up to a step for each packet's copy: with CUDA's default event
+    its thread spins a core for the whole wait; the packet's event is a blocking one."""
+    import time
+    from gradmon.capture import kernels
+
+    x = torch.ones(4, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1e9))  # about half a second of the device's clock
+    host, event = kernels.to_host(x)
+    cpu, wall = time.thread_time(), time.perf_counter()
+    event.synchronize()
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    assert wall > 0.1, "the wait ended before the device's work: nothing was measured"
+    assert cpu < 0.25 * wall, f"the waiting thread spent {cpu:.3f} s of CPU in a {wall:.3f} s wait"
+    assert host.tolist() == [1.0] * 4
+
+
 def test_every_segment_reduce_skips_its_lengths_check():
     """segment_reduce's checked form reads its lengths with .item() inside the kernel, where
     no dispatch mode sees it (CUDA's sync debug mode does): gradmon passes unsafe=True."""

@@ -586,14 +586,16 @@ def to_host(packet: torch.Tensor) -> Tuple[torch.Tensor, Optional["torch.cuda.Ev
 
     The caller must not read the host tensor before ``event.synchronize()``. CPU packets
     are already host memory. Devices without events (MPS, XLA) copy synchronously,
-    which is once per step, not per layer.
+    which is once per step, not per layer. The event is a blocking one: the thread that
+    waits for it (the publisher, up to a step behind the device) sleeps, where CUDA's
+    default would spin a CPU core for the whole wait, a core the job's data loaders need.
     """
     if packet.device.type == "cpu":
         return packet, None
     if packet.device.type == "cuda":
         host = torch.empty(packet.shape, dtype=packet.dtype, pin_memory=True)
         host.copy_(packet, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record()
         return host, event
     return packet.to("cpu"), None
