@@ -6,8 +6,9 @@ Each step of a sampling period (``detail_every`` steps at the defaults) is profi
 own, for the unmonitored model and for an identical copy with gradmon attached at the
 defaults (and, with ``--compiled``, for both compiled whole). Printed per variant: the
 device kernels per step (each a launch: kernels, memsets and copies) on ordinary steps and
-on detail steps, and the host's launch calls; the difference to the unmonitored copy is
-what gradmon adds.
+on detail steps, the host's launch calls, and the device's busy time (the kernels'
+durations added up); the difference to the unmonitored copy is what gradmon adds. Whether
+a step's added time is the device's or the host's: compare the added busy time with it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ def count(step, steps: int) -> List[Dict[str, int]]:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
         events = prof.events()
-        names = collections.Counter(e.name for e in events if e.device_type == DeviceType.CUDA)
-        out.append({"device": sum(names.values()), "names": names,
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        names = collections.Counter(e.name for e in kernels)
+        busy: Dict[str, float] = collections.Counter()
+        for e in kernels:
+            busy[e.name] += e.device_time_total
+        out.append({"device": sum(names.values()), "names": names, "busy_us": busy,
+                    "device_us": sum(busy.values()),
                     "launch_calls": sum(1 for e in events if e.name in LAUNCH_CALLS)})
     return out
 
@@ -56,7 +62,8 @@ def measure(compiled: bool, period: int) -> Dict[str, Dict[str, object]]:
         teardown()
         device = [c["device"] for c in per_step]
         res[name] = {"per_step": per_step, "min": min(device), "median": statistics.median(device),
-                     "max": max(device), "launch_calls_median": statistics.median(c["launch_calls"] for c in per_step)}
+                     "max": max(device), "launch_calls_median": statistics.median(c["launch_calls"] for c in per_step),
+                     "device_ms_median": statistics.median(c["device_us"] for c in per_step) / 1000}
         del model, opt, step
         torch.cuda.empty_cache()
     return res
@@ -78,12 +85,13 @@ def main(argv=None) -> int:
     torch._dynamo.config.skip_nnmodule_hook_guards = False
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, model {args.size}"
           f"{', bf16 autocast' if args.bf16 else ''}{', fused AdamW' if args.fused else ''}")
-    print(f"{'pair':10s} {'variant':18s} {'kernels/step min':>17s} {'median':>7s} {'max':>5s} {'host launch calls':>18s}")
+    print(f"{'pair':10s} {'variant':18s} {'kernels/step min':>17s} {'median':>7s} {'max':>5s} {'host launch calls':>18s}"
+          f" {'device busy ms/step':>20s}")
     for compiled in ([False, True] if args.compiled else [False]):
         res = measure(compiled, args.period)
         for name, r in res.items():
             print(f"{'compiled' if compiled else 'eager':10s} {name:18s} {r['min']:17d} {r['median']:7.0f} "
-                  f"{r['max']:5d} {r['launch_calls_median']:18.0f}")
+                  f"{r['max']:5d} {r['launch_calls_median']:18.0f} {r['device_ms_median']:20.2f}")
         base, mon = res["baseline"], res["gradmon_defaults"]
         print(f"{'':10s} added by gradmon: ordinary steps {mon['min'] - base['min']:+d} kernels, "
               f"detail steps {mon['max'] - base['max']:+d}; per step of the period: "
@@ -91,9 +99,11 @@ def main(argv=None) -> int:
         for kind, pick in (("an ordinary", min), ("a detail", max)):
             step = pick(mon["per_step"], key=lambda c: c["device"])
             added = step["names"] - base["per_step"][0]["names"]
-            print(f"{'':10s} {kind} step's added kernels by name (top {args.top}):")
+            busy = {n: step["busy_us"][n] * k / step["names"][n] for n, k in added.items()}
+            print(f"{'':10s} {kind} step's added kernels by name (top {args.top}), with the device time they "
+                  f"took ({sum(busy.values()) / 1000:.2f} ms in all):")
             for name, n in added.most_common(args.top):
-                print(f"{'':12s}{n:6d}  {name[:110]}")
+                print(f"{'':12s}{n:6d} {busy[name]:9.0f} us  {name[:100]}")
     return 0
 
 

@@ -15,6 +15,21 @@ import gradmon
 
 # A test that needs a CUDA device: skipped on this project's CPU machines and CI, run where a
 # GPU is lent by scripts/gpu_checks.sh.
+def op_names():
+    """A dispatch mode that lists the aten ops run inside it (``.names``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    return Ops()
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_checks.sh)")
 
 torch.set_num_threads(1)

@@ -89,13 +89,13 @@ def batch(step: int, rank: int = 0, poison: Optional[Callable[[torch.Tensor], No
 
 
 def train(monitor, model: nn.Module, steps: int, poison: Optional[Callable[[torch.Tensor], None]],
-          rank: int = 0, poison_rank: int = 0, delay: float = 0.0, ids: bool = True) -> None:
+          rank: int = 0, poison_rank: int = 0, delay: float = 0.0, ids: bool = True, device: str = "cpu") -> None:
     """``steps`` AdamW steps; at :data:`STEP`, ``poison`` breaks row :data:`ROW` of
     ``poison_rank``'s batch. The job's own guard zeroes non-finite gradients after
     gradmon looked, so training goes on. ``ids``: each step's sample ids are observed."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(1, steps + 1):
-        x = batch(step, rank, poison if rank == poison_rank else None)
+        x = batch(step, rank, poison if rank == poison_rank else None).to(device)
         loss = (model(x) - x).pow(2).mean()
         monitor.observe(loss=loss, batch=ids_of(step, rank) if ids else None)
         loss.backward()

@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import needs_cuda, op_names
+
 from gradmon import statistics as S
 from gradmon.capture import optimizer
 from gradmon.capture.forward import Forward, LayerHooks
@@ -480,6 +482,63 @@ def test_the_blocks_values_are_recorded_from_the_input_to_the_roots_output():
     model[0].register_forward_hook(partial(fwd.on_block, 1, None))
     model(torch.ones(1, 2))
     assert committed_keys(rec, "block_finite") == [0, 1, 2]  # input, the block, the root's output
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def test_a_row_table_checks_each_output_by_row_in_one_kernel_and_all_their_extremes_at_the_end():
+    """The accelerator's block check, run on the CPU tensors it is written for: one
+    aminmax per output into its slot; finish() then gives every output's min and max,
+    NaN kept and an Inf's sign kept; a second finish covers only the slots checked since."""
+    from gradmon.capture.records import RowTable
+
+    torch.manual_seed(0)
+    outs = [torch.randn(6, 5, 7) for _ in range(3)]
+    outs[1][4, 2, 3] = float("nan")
+    outs[2][0, 0, 0] = float("-inf")
+    table = RowTable(outs[0], 6)
+    with op_names() as ops:
+        made = [table.check(t) for t in outs[:2]]
+    assert [n for n in ops.names if n.startswith(("aminmax", "amin", "amax", "min", "max"))] == ["aminmax"] * 2
+    with op_names() as ops:
+        table.finish()
+    assert sorted(n for n in ops.names if n not in ("select", "slice")) == ["amax", "amin"]  # views: no kernel
+    made.append(table.check(outs[2]))
+    table.finish()
+    for t, (lo, hi, rows) in zip(outs, made):
+        by_row = t.reshape(6, -1)
+        assert _same(rows, torch.stack(torch.aminmax(by_row, dim=1), dim=1))
+        assert _same(lo, by_row.min()) and _same(hi, by_row.max())
+    assert math.isnan(made[1][0]) and made[2][0] == float("-inf") and math.isfinite(made[2][1])
+    assert [r for r in range(6) if math.isnan(made[1][2][r, 0])] == [4]
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_on_cuda_an_ordinary_forward_checks_each_block_output_in_one_kernel(attach):
+    """One aminmax per block output too large to wait for the end of the forward (the
+    input and four blocks; the root returns the last one's), and one amin and one amax for
+    all of them when the forward ends, where each output took an aminmax, a min, a max
+    and a stack."""
+    from gradmon.capture.records import DEFER_MAX
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4))).cuda()
+    x = torch.randn(8, 64, 64, device="cuda")
+    assert x.numel() > DEFER_MAX
+    mon = attach(model, incident_dir="")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(3):  # past the first (detail) step
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with op_names() as ops:
+        model(x)
+    reductions = [n for n in ops.names if n.startswith(("aminmax", "amin", "amax", "min", "max", "stack"))]
+    assert sorted(reductions) == ["amax", "amin"] + ["aminmax"] * 5, reductions
+    assert mon.flush()
 
 
 def test_gradient_flow_enters_the_backward_then_records_the_gradient():

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -18,17 +19,17 @@ from gradmon.incidents import bundle as B
 
 import incident_worker as W
 from incident_worker import summary
-from conftest import scrape, value
+from conftest import needs_cuda, scrape, value
 from servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bundle_of(attach, monkeypatch, tmp_path, scenario: str) -> B.Bundle:
+def bundle_of(attach, monkeypatch, tmp_path, scenario: str, device: str = "cpu") -> B.Bundle:
     monkeypatch.setenv("GRADMON_INCIDENT_DIR", str(tmp_path))
-    model = W.TinyTransformer()
+    model = W.TinyTransformer().to(device)
     mon = attach(model)
-    W.train(mon, model, W.STEP + 3, W.SCENARIOS[scenario])
+    W.train(mon, model, W.STEP + 3, W.SCENARIOS[scenario], device=device)
     assert mon.flush()
     (path,) = tmp_path.glob("*.npz")
     return B.load(str(path))
@@ -46,6 +47,18 @@ def test_a_nan_from_torch_log_in_block_2_names_the_row_that_carried_it_and_its_i
     b = bundle_of(attach, monkeypatch, tmp_path, "log")
     assert b.meta["rows"] == {"known": True, "rows": [W.ROW], "block": "block2", "reason": None}
     assert f"rows: {W.ROW} (id r0-s{W.STEP}-n{W.ROW}) at block2" in summary(b.path, tmp_path)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("scenario,block", [("log", "block2"), ("exp", "block1"), ("input", "input")])
+def test_on_cuda_the_step_the_block_and_the_row_are_named_as_on_the_cpu(attach, monkeypatch, tmp_path, scenario,
+                                                                         block):
+    """On an accelerator the rows come from the block checks' shared tables (one kernel per
+    block output, every output's min and max reduced at the end of the forward)."""
+    b = bundle_of(attach, monkeypatch, tmp_path, scenario, "cuda")
+    assert b.meta["incident"]["step"] == W.STEP and b.meta["incident"]["block"] == block
+    assert b.meta["rows"] == {"known": True, "rows": [W.ROW], "block": block, "reason": None}
 
 
 def test_a_nan_that_comes_with_the_batch_is_named_input(attach, monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import needs_cuda, scrape, value
+from conftest import needs_cuda, op_names, scrape, value
 from gradmon import alerting
 from gradmon import metrics as M
 from gradmon import statistics as S
@@ -213,21 +213,6 @@ def test_parameter_gradient_norms_are_exact_for_large_small_and_strided_tensors_
     assert [float(r[1]) for r, i in zip(rows, order) if i == 0] == [1.0]
 
 
-def _op_names():
-    """A dispatch mode that lists the aten ops run inside it (``.names``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-    return Ops()
-
-
 def test_large_cpu_gradients_take_one_root_for_the_group_and_the_same_norms_bit_for_bit():
     """The large float32 gradients of a CPU step: their dot products stacked and rooted in
     one kernel, equal to each one's own ``_l2``; a root per gradient would be back as
@@ -236,7 +221,7 @@ def test_large_cpu_gradients_take_one_root_for_the_group_and_the_same_norms_bit_
 
     torch.manual_seed(0)
     grads = [torch.randn(300, 200) * 10 ** k for k in range(-3, 4)]
-    with _op_names() as ops:
+    with op_names() as ops:
         norms = stats._norms(grads, torch.float32, small=False)
     assert [n for n in ops.names if n.startswith("sqrt")] == ["sqrt_"]
     assert ops.names.count("dot") == len(grads)
@@ -252,7 +237,7 @@ def test_a_finite_cpu_block_output_is_proved_finite_by_one_dot_and_a_non_finite_
 
     torch.manual_seed(0)
     x = torch.randn(8, 64, 48)
-    with _op_names() as ops:
+    with op_names() as ops:
         lo, hi, rows = stats.finite_check(x, 8)
     assert "dot" in ops.names and not [n for n in ops.names if n.startswith(("aminmax", "amin", "amax", "min", "max"))]
     norm = float(torch.linalg.vector_norm(x.double()))
@@ -274,7 +259,7 @@ def test_a_finite_cpu_block_output_is_proved_finite_by_one_dot_and_a_non_finite_
     assert S.nonfinite_flags(float(lo), float(hi)) == 0
 
     low = x.bfloat16()
-    with _op_names() as ops:
+    with op_names() as ops:
         lo, hi = stats.finite_check(low)
     assert "dot" not in ops.names and (float(lo), float(hi)) == (float(low.min()), float(low.max()))
 

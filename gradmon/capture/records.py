@@ -251,6 +251,47 @@ class BlockChecks:
             records.add_rows(keys, numels, parts)
 
 
+ROW_TABLE = 32
+"""Block outputs of one device and dtype whose per-row checks share one :class:`RowTable`."""
+
+
+class RowTable:
+    """On an accelerator, one forward's per-row block checks of one device and dtype, in
+    the slots of one table: a kernel per block output (``aminmax`` by batch row, written
+    into its slot), where reducing each output's rows to its own min and max and stacking
+    them took four, launched from the forward's hooks. The outputs' own min and max are
+    reduced for every slot at once (:meth:`finish`, when the forward ends); until then
+    their records hold views of a result not yet written, which nothing reads before the
+    step's packet is written."""
+
+    __slots__ = ("rows", "whole", "used", "done")
+
+    def __init__(self, like: torch.Tensor, batch: int) -> None:
+        self.rows = torch.empty((2, ROW_TABLE, batch), dtype=like.dtype, device=like.device)
+        self.whole = torch.empty((2, ROW_TABLE), dtype=like.dtype, device=like.device)
+        self.used = self.done = 0
+
+    def full(self) -> bool:
+        return self.used == ROW_TABLE
+
+    def check(self, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(min, max, rows) of ``t`` as :func:`stats.extremes` gives them, min and max
+        written by :meth:`finish`."""
+        i = self.used
+        rows = self.rows[:, i]
+        torch.aminmax(t.detach().reshape(rows.shape[1], -1), dim=1, out=(rows[0], rows[1]))
+        self.used += 1
+        return self.whole[0, i], self.whole[1, i], rows.t()
+
+    def finish(self) -> None:
+        """Every checked slot's min and max (NaN propagates): two kernels for all of them."""
+        if self.done < self.used:
+            lo, hi = self.rows[0, self.done:self.used], self.rows[1, self.done:self.used]
+            torch.amin(lo, dim=1, out=self.whole[0, self.done:self.used])
+            torch.amax(hi, dim=1, out=self.whole[1, self.done:self.used])
+            self.done = self.used
+
+
 class BatchRows:
     """Which batch rows of each top-level block's output went non-finite: the block check's
     per-row result (``stats.extremes``/``extremes_many`` given the batch), kept as device
@@ -259,10 +300,13 @@ class BatchRows:
     dimension is another size has no rows, nor has any output of a forward whose batch
     cannot be told (:func:`batch_size`)."""
 
-    __slots__ = ("size", "pending", "kept", "forwards", "hashing", "hashes", "kept_hashes")
+    __slots__ = ("size", "pending", "kept", "forwards", "hashing", "hashes", "kept_hashes", "tables", "filled")
 
     def __init__(self, hashing: bool = False) -> None:
         self.size: Optional[int] = None  # rows of this forward's batch
+        # inside a root forward on an accelerator: its RowTables by (device, dtype), and the filled ones
+        self.tables: Optional[Dict[Tuple[torch.device, torch.dtype], RowTable]] = None
+        self.filled: List[RowTable] = []
         # (block key, block, start, size): block[start:start + size] is the [min, max] of each row
         self.pending: List[Tuple[int, torch.Tensor, int, int]] = []
         # this step's completed forwards' (micro-batches), each with its forward's index
@@ -274,8 +318,31 @@ class BatchRows:
         self.kept_hashes: List[RowHashes] = []
 
     def start(self, root: nn.Module, args: Any, kwargs: Any) -> None:
-        self.pending, self.hashes, self.size = [], [], None
+        self.pending, self.hashes, self.size, self.tables, self.filled = [], [], None, {}, []
         self.size = batch_size(root, args, kwargs)
+
+    def check(self, key: int, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The block check of ``t`` (of record ``key``), whose first dimension is the batch:
+        (min, max) for its record, its rows kept for the packet. Inside a root forward on
+        an accelerator, in a :class:`RowTable`; elsewhere :func:`stats.finite_check`."""
+        if self.tables is None or t.device.type == "cpu":
+            lo, hi, rows = stats.finite_check(t, self.size)
+        else:
+            where = (t.device, t.dtype)
+            table = self.tables.get(where)
+            if table is None or table.full():
+                if table is not None:
+                    self.filled.append(table)
+                table = self.tables[where] = RowTable(t, self.size)  # type: ignore[arg-type]
+            lo, hi, rows = table.check(t)
+        self.pending.append((key, rows, 0, self.size))  # type: ignore[arg-type]
+        return lo, hi
+
+    def finish(self) -> None:
+        """The min and max of every output this forward's tables checked (:meth:`RowTable.finish`)."""
+        if self.tables:
+            for table in (*self.filled, *self.tables.values()):
+                table.finish()
 
     def hash_inputs(self, args: Any, kwargs: Any) -> None:
         """Each batch-first input tensor's row hashes, on its device, for this forward."""
@@ -283,6 +350,8 @@ class BatchRows:
             self.hashes = rowhash.hash_rows(args, kwargs, self.size)
 
     def commit(self) -> None:
+        self.finish()
+        self.tables, self.filled = None, []
         self.kept.extend(RowBlock(*entry, self.forwards) for entry in self.pending)
         self.kept_hashes.extend(RowHashes(name, hashes, self.forwards) for name, hashes in self.hashes)
         self.pending, self.hashes = [], []
@@ -292,6 +361,7 @@ class BatchRows:
         """This step's per-row block checks and input row hashes; a fresh start for the next."""
         kept, hashes = tuple(self.kept), tuple(self.kept_hashes)
         self.kept, self.kept_hashes, self.pending, self.hashes, self.forwards = [], [], [], [], 0
+        self.tables, self.filled = None, []
         return kept, hashes
 
 
@@ -379,6 +449,7 @@ class StepRecords:
             self.blocks.flush([(st, self.by_name[st.name]) for st in self._at.get(S.BLOCK, ())], alias, self.rows)
         except Exception as exc:
             self._errors.record("forward", exc)
+        self.rows.finish()  # before anything commits a record that views a table
 
     def record_values(self, at: str, key: int, values: Any,
                       grad_flow: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
@@ -429,9 +500,7 @@ class StepRecords:
         if derived:
             return derived
         if st is S.BLOCK_FINITE and stats.has_rows(t, self.rows.size):
-            lo, hi, rows = stats.finite_check(t, self.rows.size)
-            self.rows.pending.append((key, rows, 0, self.rows.size))
-            return lo, hi
+            return self.rows.check(key, t)
         return st.record(t)
 
     def _derived(self, st: Statistic, t: torch.Tensor) -> Optional[Tuple[torch.Tensor, ...]]:
