@@ -253,8 +253,38 @@ def test_the_block_check_by_batch_rows_gives_each_outputs_extremes_and_its_rows_
     for i, (w_lo, w_hi) in enumerate(want):
         assert np.allclose(got[i], (w_lo.item(), w_hi.item()), equal_nan=True), (i, got[i])
     flagged = {i: (~torch.isfinite(block[start:start + 4])).any(dim=1).nonzero().reshape(-1).tolist()
-               for i, block, start in rows}
+               for indices, block, starts in rows for i, start in zip(indices, starts)}
     assert flagged == {0: [2], 2: [3]}  # `other` has 3 rows, not the batch's 4: no rows
+    assert len(rows) == 2  # one entry for the small outputs' shared block, one for the large output
+
+
+def test_a_forward_of_a_thousand_small_blocks_keeps_one_row_block_not_one_per_block(attach, tmp_path, monkeypatch):
+    """The rows an incident may need are kept for a few steps: one Python object per block
+    would be thousands of them, promoted by the collector and walked by its full passes."""
+    from gradmon.capture.packet import RowBlock
+    from gradmon.capture.records import BatchRows
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(1000)))
+    x = torch.randn(4, 8)
+    mon = attach(model, incident_dir=str(tmp_path))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(3):  # past the first (detail) step, and every block seen to wait for the end of the forward
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    taken = []
+    take = BatchRows.take
+    monkeypatch.setattr(BatchRows, "take", lambda self: taken.append(take(self)) or taken[-1])
+    x[2, 3] = float("nan")  # every block's row 2 is NaN from the input on
+    model(x).square().mean().backward()
+    opt.step()
+    kept = next(k for k, _ in taken if k)  # the step's (a reset takes nothing more)
+    assert all(isinstance(r, RowBlock) for r in kept) and len(kept) <= 3, len(kept)
+    assert {k for r in kept for k in r.keys} == set(range(1001))  # the input, 1,000 blocks (the root returns the last's)
+    for key in (0, 1, 500, 1000):
+        (values,) = [v for r in kept for v in r.of(key)]
+        assert (~torch.isfinite(values)).any(dim=1).nonzero().reshape(-1).tolist() == [2], key
 
 
 def test_a_finite_cpu_output_is_read_once_whole_and_by_rows_only_where_it_is_not_finite(monkeypatch):

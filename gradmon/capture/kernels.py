@@ -490,7 +490,7 @@ def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
 def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int] = None,
-                  rows: Optional[List[Tuple[int, torch.Tensor, int]]] = None
+                  rows: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
     """(lo, hi, order): the min and max of each of ``tensors`` as two (n, 1) columns on
     ``home`` in the ship dtype, row j describing ``tensors[order[j]]``. The check of many
@@ -502,9 +502,13 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
 
     Given ``batch`` and a list ``rows``, a tensor whose first dimension is the batch
     (:func:`has_rows`) is reduced by batch row instead of whole, its lo/hi then taken from
-    its rows' (no second pass over the data), and ``(i, block, start)`` is appended to
-    ``rows``: ``block[start:start + batch]`` are the [min, max] of ``tensors[i]``'s rows
-    (one (n, 2) block per group, shared, so that no kernel is launched per tensor)."""
+    its rows' (no second pass over the data), and ``(indices, block, starts)`` is appended
+    to ``rows`` for each block of rows: ``block[start:start + batch]`` are the [min, max]
+    of ``tensors[i]``'s rows, for each ``i``, ``start`` of ``indices``, ``starts`` (one
+    (n, 2) block per group, shared, so that no kernel is launched per tensor, and one
+    entry, so that no Python object is made per tensor: a model of thousands of blocks
+    would keep thousands alive for the incident recorder's steps, and the collector
+    would walk them)."""
     groups = _groups(tensors, list(map(torch.Tensor.numel, tensors)))
     ship = _ship_dtype(home)
     los: List[torch.Tensor] = []
@@ -526,7 +530,7 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
             made = [finite_check(t, batch) if cut else (*finite_check(t), None)
                     for t, cut in zip(group, split)]
             if rows is not None:
-                rows.extend((i, m[2], 0) for i, m in zip(idx, made) if m[2] is not None)
+                rows.extend(((i,), m[2], (0,)) for i, m in zip(idx, made) if m[2] is not None)
             lo, hi = torch.stack([m[0] for m in made]), torch.stack([m[1] for m in made])
         los.append(lo.to(home, ship, non_blocking=True))
         his.append(hi.to(home, ship, non_blocking=True))
@@ -536,7 +540,8 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
 
 
 def _by_rows(flat: torch.Tensor, group: Sequence[torch.Tensor], split: Sequence[bool], batch: int,
-             idx: Sequence[int], rows: List[Tuple[int, torch.Tensor, int]]) -> Tuple[torch.Tensor, torch.Tensor]:
+             idx: Sequence[int], rows: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each tensor's (lo, hi) of the flat copy of ``group``, reduced by segment: one
     segment per batch row of a tensor ``split`` by rows, one per other tensor; each
     tensor's lo/hi then reduced from its segments' (a second reduction over a few values
@@ -546,7 +551,8 @@ def _by_rows(flat: torch.Tensor, group: Sequence[torch.Tensor], split: Sequence[
     lo = torch.segment_reduce(flat, "min", lengths=segments, unsafe=True)
     hi = torch.segment_reduce(flat, "max", lengths=segments, unsafe=True)
     block = torch.stack((lo, hi), dim=1)
-    rows.extend((i, block, start) for i, cut, start in zip(idx, split, starts) if cut)
+    cut = [(i, start) for i, split_, start in zip(idx, split, starts) if split_]
+    rows.append((tuple(i for i, _ in cut), block, tuple(start for _, start in cut)))
     return (torch.segment_reduce(lo, "min", lengths=counts, unsafe=True),
             torch.segment_reduce(hi, "max", lengths=counts, unsafe=True))
 

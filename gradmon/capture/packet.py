@@ -7,7 +7,7 @@ lives apart from both so that neither side imports the other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -15,17 +15,25 @@ from ..statistics import Section
 
 
 class RowBlock(NamedTuple):
-    """Which batch rows of one tensor of a top-level block's value went non-finite in one
-    forward: ``block[start:start + batch]`` is the [min, max] of each batch row. A device
-    tensor, read on the host only at an incident (``incidents``)."""
+    """Which batch rows of tensors of top-level blocks' values went non-finite in one
+    forward: for each ``key``, ``start`` of ``keys``, ``starts``, ``block[start:start +
+    batch]`` is the [min, max] of each batch row of one tensor of that block's value. A
+    device tensor, read on the host only at an incident (``incidents``); one per block of
+    rows, not per tensor (the small outputs of a forward share one)."""
 
-    key: int
-    """The block's record key (0: the model's input)."""
+    keys: Tuple[int, ...]
+    """The blocks' record keys (0: the model's input)."""
     block: torch.Tensor
-    start: int
+    starts: Tuple[int, ...]
     batch: int
     forward: int
     """Which forward (micro-batch) of the step, from 0."""
+
+    def of(self, key: int) -> Iterator[torch.Tensor]:
+        """The (batch, 2) rows of each tensor of block ``key`` in this block of rows."""
+        for k, start in zip(self.keys, self.starts):
+            if k == key:
+                yield self.block[start:start + self.batch]
 
 
 class RowHashes(NamedTuple):

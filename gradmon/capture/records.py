@@ -236,9 +236,10 @@ class BlockChecks:
         every_numel = list(map(torch.Tensor.numel, tensors))
         for st, records in into:
             if st is S.BLOCK_FINITE and rows is not None and rows.size is not None:
-                per_row: List[Tuple[int, torch.Tensor, int]] = []
+                per_row: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]] = []
                 *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row)
-                rows.pending.extend((every_key[i], block, start, rows.size) for i, block, start in per_row)
+                rows.pending.extend((tuple(map(every_key.__getitem__, idx)), block, starts, rows.size)
+                                    for idx, block, starts in per_row)
             else:
                 *parts, order = st.record_many(tensors, tensors[0].device)
             keys = list(map(every_key.__getitem__, order))
@@ -307,8 +308,9 @@ class BatchRows:
         # inside a root forward on an accelerator: its RowTables by (device, dtype), and the filled ones
         self.tables: Optional[Dict[Tuple[torch.device, torch.dtype], RowTable]] = None
         self.filled: List[RowTable] = []
-        # (block key, block, start, size): block[start:start + size] is the [min, max] of each row
-        self.pending: List[Tuple[int, torch.Tensor, int, int]] = []
+        # (block keys, block, starts, size): block[start:start + size] is the [min, max] of each
+        # row of the output of each key, start
+        self.pending: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...], int]] = []
         # this step's completed forwards' (micro-batches), each with its forward's index
         self.kept: List[RowBlock] = []
         self.forwards = 0
@@ -335,7 +337,7 @@ class BatchRows:
                     self.filled.append(table)
                 table = self.tables[where] = RowTable(t, self.size)  # type: ignore[arg-type]
             lo, hi, rows = table.check(t)
-        self.pending.append((key, rows, 0, self.size))  # type: ignore[arg-type]
+        self.pending.append(((key,), rows, (0,), self.size))  # type: ignore[arg-type]
         return lo, hi
 
     def finish(self) -> None:

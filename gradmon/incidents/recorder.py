@@ -323,9 +323,9 @@ def _rows(origin: Optional[Step], block: Optional[str], blocks: Sequence[str]) -
         return unknown("the origin step is no longer among the kept steps")
     key = blocks.index(block) if block in blocks else -1
     forwards: Dict[int, List[torch.Tensor]] = {}
-    for k, values, start, size, forward in origin.rows:
-        if k == key:
-            forwards.setdefault(forward, []).append(values[start:start + size])
+    for rows in origin.rows:
+        for values in rows.of(key):
+            forwards.setdefault(rows.forward, []).append(values)
     if not forwards:
         return unknown("no per-row check of the origin block at that step: its output's first dimension is not "
                        "the root input's batch, the batch is sequence-first or packed, or (a block that is a layer, "
