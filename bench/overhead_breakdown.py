@@ -3,6 +3,8 @@
     python bench/overhead_breakdown.py                                   # every family every step
     python bench/overhead_breakdown.py --options detail_every=100000 optimizer_every=0   # always-on only
     python bench/overhead_breakdown.py --cpu --threads 1 --options      # the defaults, in CPU time
+    python bench/overhead_breakdown.py --device cuda --size gpt2 --bf16 --fused --options   # on a GPU
+    python bench/overhead_breakdown.py --profile 40 --options           # cProfile, torch calls included
 
 The same setting as bench_overhead.py: the monitored copy steps in turn with two
 unmonitored copies, so its tensors are as cold in the cache as in the benchmark's rounds.
