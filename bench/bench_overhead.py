@@ -29,6 +29,7 @@ see, allocator caching included.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -302,10 +303,14 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"of every copy, {'back to back, copies in turn by round' if args.back_to_back else 'interleaved step by step'}",
           flush=True)
     res = interleaved(names, args.rounds, args.steps, args.discard, args.back_to_back)
+    # a fresh process knows only the named variants, on the reference CPU setup
+    measured = [name for name in names if not (args.no_memory or args.device != "cpu" or name == "gradmon_options"
+                                               or name in COMPILED)]
+    # each in its own process (a peak RSS is that process's alone), as many at once as the cores hold
+    with concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 1) // args.threads)) as pool:
+        peaks = dict(zip(measured, pool.map(lambda name: peak_rss_mb(name, args.memory_steps), measured)))
     for name in names:
-        # a fresh process knows only the named variants, on the reference CPU setup
-        skip = args.no_memory or args.device != "cpu" or name == "gradmon_options" or name in COMPILED
-        res[name]["peak_rss_mb"] = math.nan if skip else peak_rss_mb(name, args.memory_steps)
+        res[name]["peak_rss_mb"] = peaks.get(name, math.nan)
     base_rss = res["baseline"]["peak_rss_mb"]
     print(f"{'variant':26s} {'step ms':>9s} {'ratio':>7s} {'ci95 hi':>8s} {'target':>7s} {'host us/step':>13s} "
           f"{'peak RSS MB':>12s} {'mem ratio':>9s}")
