@@ -160,9 +160,10 @@ def finite_check(x: torch.Tensor, batch: Optional[int] = None) -> Tuple[torch.Te
     outputs are the forward's largest tensors); a finite one returns (-norm, norm), which
     bound every value (``|x_i| <= ||x||``), and rows of zeros as :func:`extremes` does.
     Only a tensor that is not finite, or whose squares overflow (values above ~1e19),
-    pays for the exact extremes. Elsewhere, and inside a compiled region, the extremes."""
+    pays for the exact extremes. Elsewhere (a tensor subclass too), and inside a compiled
+    region, the extremes."""
     x = x.detach()
-    if _takes_dot(x):
+    if type(x) is torch.Tensor and _takes_dot(x):
         squares = _dot(x)
         if _host_says_finite(squares):
             bound = squares.sqrt_()

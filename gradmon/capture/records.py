@@ -326,8 +326,9 @@ class BatchRows:
     def check(self, key: int, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The block check of ``t`` (of record ``key``), whose first dimension is the batch:
         (min, max) for its record, its rows kept for the packet. Inside a root forward on
-        an accelerator, in a :class:`RowTable`; elsewhere :func:`stats.finite_check`."""
-        if self.tables is None or t.device.type == "cpu":
+        an accelerator, in a :class:`RowTable` (a plain tensor: a subclass such as a
+        DTensor cannot write into the table's slots); elsewhere :func:`stats.finite_check`."""
+        if self.tables is None or t.device.type == "cpu" or type(t) is not torch.Tensor:
             lo, hi, rows = stats.finite_check(t, self.size)
         else:
             where = (t.device, t.dtype)
