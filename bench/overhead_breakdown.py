@@ -87,6 +87,7 @@ def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = 
     monitor = gradmon.attach(copies[0][0], registry=CollectorRegistry(), final_scrape_timeout=0, **options)
     publisher = [t for t in threading.enumerate() if t.name.startswith("gradmon-publisher")]
     profiler = cProfile.Profile() if profile else None
+    timed = [False]  # the timed rounds are on: the warm-up rounds are not profiled
     # on CUDA the backward and its end-of-backward callback run on autograd's device thread,
     # which the main thread's profiler does not see: that callback gets a profiler of its own
     # (from Python 3.12 on, cProfile sees every thread: one profiler serves)
@@ -96,12 +97,12 @@ def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = 
         after = hooks.Recorder._after_backward
 
         def profiled(self):  # type: ignore[no-untyped-def]
-            return backward.runcall(after, self)
+            return backward.runcall(after, self) if timed[0] else after(self)
         hooks.Recorder._after_backward = profiled
     try:
         def round_() -> None:
             for i, (_, _, step) in enumerate(copies):
-                if i == 0 and profiler is not None and not totals.get("warm-up"):
+                if i == 0 and profiler is not None and timed[0]:
                     profiler.enable()
                     step()
                     monitor.flush(10)
@@ -109,10 +110,10 @@ def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = 
                 else:
                     step()
             monitor.flush(10)
-        totals["warm-up"] = 1.0
         for _ in range(discard):
             round_()
         totals.clear()
+        timed[0] = True
         before, folded = monitor._recorder.overhead, _cpu_seconds(publisher)
         for _ in range(steps):
             round_()

@@ -353,7 +353,7 @@ class BatchRows:
             self.hashes = rowhash.hash_rows(args, kwargs, self.size)
 
     def commit(self) -> None:
-        self.finish()
+        """The end of a root forward, whose tables ``StepRecords.flush_blocks`` finished."""
         self.tables, self.filled = None, []
         self.kept.extend(RowBlock(*entry, self.forwards) for entry in self.pending)
         self.kept_hashes.extend(RowHashes(name, hashes, self.forwards) for name, hashes in self.hashes)
