@@ -22,6 +22,7 @@ from torch import nn
 from .. import statistics as S
 from ..errors import ErrorLog
 from ..statistics import Statistic
+from .collector import CollectorPause
 from .guard import Guards
 from .layers import Layer
 from .records import StepRecords, iter_tensors
@@ -79,6 +80,7 @@ class Forward:
         self._in_root = False  # inside the root's forward
         self._defer_blocks = False  # this step's block checks wait for the end of the forward
         self._deferring = False  # inside a root's training forward whose block checks wait
+        self.collector = CollectorPause()  # from a detail step's first training forward to its close
 
     def next_step(self, detail: bool) -> None:
         """The next step reads the layers (a detail step) or not."""
@@ -125,6 +127,8 @@ class Forward:
         self._in_root = True
         training = self._training_forward(module)
         self._deferring = self._defer_blocks and self._block and training
+        if training and self.detail_now:
+            self.collector.hold()
         with self._guard("forward"):
             self._rec.rows.start(module, args, kwargs)
             if self._block and training:

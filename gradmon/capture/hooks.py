@@ -134,6 +134,7 @@ class Recorder:
     def release(self) -> None:
         """Drop every reference to the model so it can be garbage-collected after detach."""
         self.active = False
+        self.forward.collector.release()
         self._params.release()
         self._values.reset()
         self._params_now = None
@@ -412,9 +413,12 @@ class Recorder:
         self.forward.want_layer_hooks()
 
     def _close_step(self) -> None:
-        self._values.reset()
-        self._passes.accumulated = False
-        self._rec.reset()
+        try:
+            self._values.reset()
+            self._passes.accumulated = False
+            self._rec.reset()
+        finally:  # the step's records are gone: the collector has nothing of them left to look at
+            self.forward.collector.release()
 
 
 class HookSet:
