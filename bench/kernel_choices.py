@@ -92,6 +92,17 @@ def cases(repeats: int) -> List[Tuple[str, str, str, float, float]]:
     out.append(("optimizer._batches", "1000 vectors as they are", "reshape(-1) of each",
                 *pair(lambda: [t if t.dim() == 1 else t.reshape(-1) for t in vectors],
                       lambda: [t.reshape(-1) for t in vectors], repeats)))
+    blocks = [torch.randn(4, 8) for _ in range(1000)]
+    cpu = torch.device("cpu")
+
+    def flat_copy() -> object:  # as for outputs of several shapes
+        size, K._SIZE = K._SIZE, (lambda t: object())
+        try:
+            return K.extremes_many(blocks, cpu, 4, [])
+        finally:
+            K._SIZE = size
+    out.append(("kernels._extremes_stacked", "1000 (4, 8) block outputs stacked, by rows", "one flat copy, by segment",
+                *pair(lambda: K.extremes_many(blocks, cpu, 4, []), flat_copy, repeats)))
     out.append(_chunks(max(3, repeats // 8)))
     return out
 

@@ -258,6 +258,36 @@ def test_the_block_check_by_batch_rows_gives_each_outputs_extremes_and_its_rows_
     assert len(rows) == 2  # one entry for the small outputs' shared block, one for the large output
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [4, None])
+def test_outputs_of_one_shape_are_checked_by_one_stack_as_the_flat_copy_checks_them(monkeypatch, dtype, batch):
+    """Blocks of a residual stream share one shape: stacked, with no per-tensor view in
+    the copy; the extremes, rows and layout are the flat copy's (the reference here)."""
+    from gradmon.capture import kernels as stats
+    torch.manual_seed(0)
+    outs = [torch.randn(4, 3, 5).to(dtype) for _ in range(6)]
+    outs[1][2, 0, 3], outs[3][0, 2, 2], outs[5][3, 1, 0] = float("nan"), float("inf"), float("-inf")
+    rows: list = []
+    flats = []
+    real_flat = stats._flat
+    monkeypatch.setattr(stats, "_flat", lambda group: flats.append(len(group)) or real_flat(group))
+    lo, hi, order = stats.extremes_many(outs, torch.device("cpu"), batch, rows)
+    assert flats == [] and order == tuple(range(6))
+    ref_rows: list = []
+    with monkeypatch.context() as m:  # the flat copy, as for outputs of several shapes
+        m.setattr(stats, "_SIZE", lambda t: object())
+        ref_lo, ref_hi, ref_order = stats.extremes_many(outs, torch.device("cpu"), batch, ref_rows)
+    assert flats == [6] and ref_order == order
+    assert torch.equal(lo.isnan(), ref_lo.isnan()) and torch.equal(lo.nan_to_num(), ref_lo.nan_to_num())
+    assert torch.equal(hi.isnan(), ref_hi.isnan()) and torch.equal(hi.nan_to_num(), ref_hi.nan_to_num())
+    assert [(ix, st) for ix, _, st in rows] == [(ix, st) for ix, _, st in ref_rows]
+    for (_, block, _), (_, ref, _) in zip(rows, ref_rows):
+        assert torch.equal(block.nan_to_num(), ref.nan_to_num()) and torch.equal(block.isnan(), ref.isnan())
+    assert len(rows) == (1 if batch else 0)
+    for j, (w_lo, w_hi) in enumerate(torch.aminmax(t.float()) for t in outs):
+        assert np.allclose((lo[j, 0].item(), hi[j, 0].item()), (w_lo.item(), w_hi.item()), equal_nan=True)
+
+
 def test_a_forward_of_a_thousand_small_blocks_keeps_one_row_block_not_one_per_block(attach, tmp_path, monkeypatch):
     """The rows an incident may need are kept for a few steps: one Python object per block
     would be thousands of them, promoted by the collector and walked by its full passes."""

@@ -511,6 +511,9 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
     would keep thousands alive for the incident recorder's steps, and the collector
     would walk them)."""
     groups = _groups(tensors, list(map(torch.Tensor.numel, tensors)))
+    if (len(groups) == 1 and next(iter(groups))[2] and len(tensors) > 1 and tensors[0].device.type == "cpu"
+            and tensors[0].numel() > 0 and len(set(map(_SIZE, tensors))) == 1):
+        return _extremes_stacked(tensors, home, batch, rows)
     ship = _ship_dtype(home)
     los: List[torch.Tensor] = []
     his: List[torch.Tensor] = []
@@ -538,6 +541,34 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
         order.extend(idx)
     lo, hi = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (los, his))
     return lo.unsqueeze(1), hi.unsqueeze(1), tuple(order)
+
+
+_SIZE = operator.attrgetter("shape")
+
+
+def _extremes_stacked(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int],
+                      rows: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]]
+                      ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """:func:`extremes_many` of small CPU tensors of one dtype and shape (the blocks of a
+    residual stream): one stack, reduced along its rows, with no per-tensor view in the
+    copy that :func:`_flat` makes (a few times faster at a thousand outputs); by batch row
+    where each is split, in the block layout :func:`_by_rows` gives."""
+    n = len(tensors)
+    x = torch.stack(tensors)
+    if x.dtype in _LOW_PRECISION:
+        x = x.float()  # every fp16/bf16 value is exact in float32
+    if rows is not None and has_rows(tensors[0], batch):
+        by_row = x.view(n, batch, -1)
+        lo_rows, hi_rows = by_row.amin(dim=2), by_row.amax(dim=2)
+        rows.append((tuple(range(n)), torch.stack((lo_rows, hi_rows), dim=2).view(n * batch, 2),
+                     tuple(range(0, n * batch, batch))))
+        lo, hi = lo_rows.amin(dim=1), hi_rows.amax(dim=1)
+    else:
+        flat = x.view(n, -1)
+        lo, hi = flat.amin(dim=1), flat.amax(dim=1)
+    ship = _ship_dtype(home)
+    return (lo.to(home, ship, non_blocking=True).unsqueeze(1), hi.to(home, ship, non_blocking=True).unsqueeze(1),
+            tuple(range(n)))
 
 
 def _by_rows(flat: torch.Tensor, group: Sequence[torch.Tensor], split: Sequence[bool], batch: int,
