@@ -13,6 +13,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gradmon
 
+# scripts/test runs the suite on two xdist workers (``-n 2 --dist loadgroup``). Each file is
+# one group, so a module's shared server or training run is made once; the files that keep
+# many training processes busy at once are one group between them, so that no two of them
+# overlap and load the two cores past what their timings allow.
+SYSTEM = {"test_demo.py", "test_e2e_alerts.py", "test_multigpu.py", "test_fleet.py", "test_stepguard_ranks.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("system" if name in SYSTEM else name))
+
 # A test that needs a CUDA device: skipped on this project's CPU machines and CI, run where a
 # GPU is lent by scripts/gpu_checks.sh.
 def op_names():

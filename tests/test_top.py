@@ -31,7 +31,9 @@ class Terminal:
                 pytest.fail("tmux not found (Debian package tmux; scripts/test installs it)")
             pytest.skip("tmux not found")
         self.tmux, self.name = [path, "-L", name], name
-        env = {**os.environ, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+        # the pane's size is the terminal's: COLUMNS/LINES (set by pytest-xdist's workers) would override it
+        env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         self.run("new-session", "-d", "-s", name, "-x", str(width), "-y", str(height), command, env=env, check=True)
 
     def run(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
