@@ -103,6 +103,16 @@ def cases(repeats: int) -> List[Tuple[str, str, str, float, float]]:
             K._SIZE = size
     out.append(("kernels._extremes_stacked", "1000 (4, 8) block outputs stacked, by rows", "one flat copy, by segment",
                 *pair(lambda: K.extremes_many(blocks, cpu, 4, []), flat_copy, repeats)))
+    chain_grads = [torch.randn(8, 8) if i % 2 == 0 else torch.randn(8) for i in range(2000)]
+
+    def flat_norms() -> object:  # as for fewer than SIZE_PLAN_MIN tensors
+        least, K.SIZE_PLAN_MIN = K.SIZE_PLAN_MIN, len(chain_grads) + 1
+        try:
+            return K._segment_norms(chain_grads)
+        finally:
+            K.SIZE_PLAN_MIN = least
+    out.append(("kernels._size_plan", "2000 small gradients (8x8, 8) stacked by size", "one flat copy, by segment",
+                *pair(lambda: K._segment_norms(chain_grads), flat_norms, repeats)))
     out.append(_chunks(max(3, repeats // 8)))
     return out
 

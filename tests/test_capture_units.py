@@ -572,3 +572,27 @@ def test_on_an_ordinary_step_the_layer_hooks_go_unless_every_step_reads_the_laye
         wanted[len(statistics)] = bool(fwd.layer_hooks._handles)
         fwd.layer_hooks.remove()
     assert wanted == {1: False, 2: True}
+
+
+@pytest.mark.parametrize("shapes", [((8, 8), (8,)), ((8, 8), (64,))], ids=["weights-and-biases", "one-size-two-shapes"])
+def test_many_small_gradients_are_normed_by_size_as_the_flat_copy_norms_them(monkeypatch, shapes):
+    """A deep stack's small gradients come in a few sizes: stacked by size, with no view
+    made per tensor; the norms are the flat copy's, non-finite and overflowing ones too. A
+    size shared by two shapes cannot be stacked: the flat copy reads it."""
+    from gradmon.capture import kernels as K
+    torch.manual_seed(0)
+    grads = [torch.randn(shapes[i % 2]) for i in range(400)]
+    grads[5].view(-1)[3], grads[8].view(-1)[1], grads[10].view(-1)[0] = float("inf"), float("nan"), 3e38
+    flats = []
+    real_flat = K._flat
+    monkeypatch.setattr(K, "_flat", lambda group, numels=None: flats.append(len(group)) or real_flat(group, numels))
+    got = K._segment_norms(grads)
+    assert flats == ([] if shapes[0] != (8, 8) or shapes[1] != (64,) else [400])
+    flat, lengths = real_flat(grads)
+    want = torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
+    assert torch.allclose(got, want, rtol=1e-12, equal_nan=True)
+    assert math.isinf(got[5]) and math.isnan(got[8]) and math.isinf(got[10])  # 3e38 squared overflows float32
+    few = grads[:K.SIZE_PLAN_MIN - 1]
+    flats.clear()
+    assert torch.allclose(K._segment_norms(few), want[:len(few)], rtol=1e-12, equal_nan=True)
+    assert flats == [len(few)]

@@ -458,11 +458,12 @@ def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool) -> to
 
 # Every segment_reduce here passes unsafe=True: the checked form validates the lengths
 # with .item(), a host sync on CUDA, and gradmon builds its lengths itself.
-def _flat(group: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+def _flat(group: Sequence[torch.Tensor], numels: Optional[Tuple[int, ...]] = None
+          ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(one 1-D copy of every tensor of ``group``, in order; their lengths on its device).
     One C++ call however many tensors: no Python and no kernel dispatch per tensor."""
     flat = torch._C._nn.flatten_dense_tensors(list(group))
-    return flat, _lengths(tuple(map(torch.Tensor.numel, group)), flat.device)
+    return flat, _lengths(numels if numels is not None else tuple(map(torch.Tensor.numel, group)), flat.device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -484,9 +485,47 @@ def _segment_counts(group: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.
 def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norms of small float32/float64 tensors: squared in their own dtype, so that they
     overflow as :func:`_l2` and vector_norm do (a finite norm proves a tensor finite, and
-    a float32 norm past float32's range is Inf whichever path took it), summed in float64."""
-    flat, lengths = _flat(group)
+    a float32 norm past float32's range is Inf whichever path took it), summed in float64.
+    Many tensors of a few sizes (a deep stack's weights and biases) are stacked by size
+    (:func:`_size_plan`), with no view made per tensor as the flat copy makes one."""
+    numels = tuple(map(torch.Tensor.numel, group))
+    plan = _size_plan(numels) if len(group) >= SIZE_PLAN_MIN else None
+    if plan is not None:
+        getters, inverse = plan
+        try:
+            stacks = [torch.stack(get(group)) for get in getters]
+        except RuntimeError:  # tensors of one size and several shapes: the flat copy
+            stacks = None
+        if stacks is not None:
+            sums = [(x * x).view(x.shape[0], -1).double().sum(dim=1) for x in stacks]
+            return torch.cat(sums).index_select(0, inverse).sqrt_()
+    flat, lengths = _flat(group, numels)
     return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
+
+
+SIZE_PLAN_MIN = 64
+"""Fewest small tensors read by size (:func:`_size_plan`): below it the flat copy's view per
+tensor costs less than the plan."""
+
+
+@functools.lru_cache(maxsize=16)
+def _size_plan(numels: Tuple[int, ...]) -> Optional[Tuple[Tuple[Callable[[Sequence[torch.Tensor]], Tuple[torch.Tensor, ...]], ...], torch.Tensor]]:
+    """How to read tensors of ``numels`` elements (in order) a size at a time: a getter per
+    size (its tensors, in order, as a tuple) and where each tensor's row lies in the
+    getters' results concatenated (an index, on the CPU). None where the sizes are more
+    than one in 16 of the tensors, or a tensor is empty. A model's gradients have the same
+    sizes every step: built once."""
+    buckets: Dict[int, List[int]] = {}
+    for i, n in enumerate(numels):
+        buckets.setdefault(n, []).append(i)
+    if len(buckets) > len(numels) // 16 or 0 in buckets:
+        return None
+    order = [i for idx in buckets.values() for i in idx]
+    inverse = torch.empty(len(order), dtype=torch.int64)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    getters = tuple(operator.itemgetter(*idx) if len(idx) > 1 else (lambda g, i=idx[0]: (g[i],))
+                    for idx in buckets.values())
+    return getters, inverse
 
 
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
