@@ -232,3 +232,19 @@ def test_two_monitors_end_the_pause_when_the_last_step_closes(attach):
     assert paused()  # b's step is still open
     opt_b.step()
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_a_pause_that_fails_is_counted_and_training_goes_on(attach, monkeypatch):
+    from conftest import fresh, value
+
+    def broken(self) -> None:
+        raise RuntimeError("no collector here")
+    monkeypatch.setattr(collector.CollectorPause, "hold", broken)
+    model = chain()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model, detail_every=1)
+    for _ in range(2):
+        step(model, opt)  # raises nothing into the loop
+    s = fresh(mon)
+    assert value(s, "gradmon_hook_errors_total", stage="forward") == 2
+    assert value(s, "gradmon_steps_total") == 2

@@ -127,9 +127,9 @@ class Forward:
         self._in_root = True
         training = self._training_forward(module)
         self._deferring = self._defer_blocks and self._block and training
-        if training and self.detail_now:
-            self.collector.hold()
         with self._guard("forward"):
+            if training and self.detail_now:
+                self.collector.hold()
             self._rec.rows.start(module, args, kwargs)
             if self._block and training:
                 self._rec.record_values(S.BLOCK, 0, (args, kwargs))
