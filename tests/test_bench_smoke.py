@@ -79,3 +79,14 @@ def test_prometheus_load_benchmark_reads_a_real_prometheus_scraping_simulated_ra
     # 4 simulated ranks of gradmon's real exposition (rank 0's and another rank's) plus Prometheus' own
     assert last["head_series"] > 4 * 100 and last["heap_inuse_mb"] > 0 and last["samples_per_s"] > 0
     assert last["rule_eval_s"] > 0  # the gradmon rules were loaded and evaluated
+
+
+def test_the_collector_benchmark_prints_both_copies_collections_and_time():
+    r = subprocess.run([sys.executable, str(BENCH.parent / "bench_collector.py"), "--model", "chain-10", "--steps", "5",
+                        "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.split()[:1] in (["twin"], ["gradmon"])}
+    assert set(rows) == {"twin", "gradmon"}, r.stdout
+    for copy, cells in rows.items():
+        step_ms, young, middle, full, collector_ms = map(float, cells[:5])
+        assert step_ms > 0 and young >= 0 and full >= 0 and collector_ms >= 0, (copy, cells)
