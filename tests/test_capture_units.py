@@ -592,6 +592,13 @@ def test_many_small_gradients_are_normed_by_size_as_the_flat_copy_norms_them(mon
     want = torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
     assert torch.allclose(got, want, rtol=1e-12, equal_nan=True)
     assert math.isinf(got[5]) and math.isnan(got[8]) and math.isinf(got[10])  # 3e38 squared overflows float32
+    stacked = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(len(ts)) or real_stack(ts, *a, **k))
+    again = K._segment_norms(grads)  # the next step: a size of several shapes is not tried again
+    monkeypatch.setattr(torch, "stack", real_stack)
+    assert torch.allclose(again, want, rtol=1e-12, equal_nan=True)
+    assert (stacked == []) == (shapes == ((8, 8), (64,))), stacked
     few = grads[:K.SIZE_PLAN_MIN - 1]
     flats.clear()
     assert torch.allclose(K._segment_norms(few), want[:len(few)], rtol=1e-12, equal_nan=True)

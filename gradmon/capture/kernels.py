@@ -416,6 +416,7 @@ def _group_counts(group: Sequence[torch.Tensor], ship: torch.dtype, small: bool)
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _IS_CUDA = operator.attrgetter("is_cuda")
 _DTYPE = operator.attrgetter("dtype")
+_SIZE = operator.attrgetter("shape")
 
 
 def _groups(tensors: Sequence[torch.Tensor], numels: Sequence[int]
@@ -490,15 +491,14 @@ def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
     (:func:`_size_plan`), with no view made per tensor as the flat copy makes one."""
     numels = tuple(map(torch.Tensor.numel, group))
     plan = _size_plan(numels) if len(group) >= SIZE_PLAN_MIN else None
-    if plan is not None:
-        getters, inverse = plan
+    if plan is not None and plan.stackable:
         try:
-            stacks = [torch.stack(get(group)) for get in getters]
-        except RuntimeError:  # tensors of one size and several shapes: the flat copy
-            stacks = None
-        if stacks is not None:
+            stacks = [torch.stack(get(group)) for get in plan.getters]
+        except RuntimeError:  # tensors of one size and several shapes: the flat copy, from now on
+            plan.stackable = False
+        else:
             sums = [(x * x).view(x.shape[0], -1).double().sum(dim=1) for x in stacks]
-            return torch.cat(sums).index_select(0, inverse).sqrt_()
+            return torch.cat(sums).index_select(0, plan.inverse).sqrt_()
     flat, lengths = _flat(group, numels)
     return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
 
@@ -508,13 +508,25 @@ SIZE_PLAN_MIN = 64
 tensor costs less than the plan."""
 
 
+class _SizePlan:
+    """How to read tensors of given sizes a size at a time: a getter per size (its tensors,
+    in order, as a tuple) and where each tensor's row lies in the getters' results
+    concatenated (an index, on the CPU). ``stackable`` turns False the first time a size
+    holds tensors of several shapes, which cannot be stacked: the flat copy from then on,
+    without trying again every step."""
+
+    __slots__ = ("getters", "inverse", "stackable")
+
+    def __init__(self, getters: Tuple[Callable[[Sequence[torch.Tensor]], Tuple[torch.Tensor, ...]], ...],
+                 inverse: torch.Tensor) -> None:
+        self.getters, self.inverse, self.stackable = getters, inverse, True
+
+
 @functools.lru_cache(maxsize=16)
-def _size_plan(numels: Tuple[int, ...]) -> Optional[Tuple[Tuple[Callable[[Sequence[torch.Tensor]], Tuple[torch.Tensor, ...]], ...], torch.Tensor]]:
-    """How to read tensors of ``numels`` elements (in order) a size at a time: a getter per
-    size (its tensors, in order, as a tuple) and where each tensor's row lies in the
-    getters' results concatenated (an index, on the CPU). None where the sizes are more
-    than one in 16 of the tensors, or a tensor is empty. A model's gradients have the same
-    sizes every step: built once."""
+def _size_plan(numels: Tuple[int, ...]) -> Optional[_SizePlan]:
+    """The :class:`_SizePlan` of tensors of ``numels`` elements (in order); None where the
+    sizes are more than one in 16 of the tensors, or a tensor is empty. A model's gradients
+    have the same sizes every step: built once."""
     buckets: Dict[int, List[int]] = {}
     for i, n in enumerate(numels):
         buckets.setdefault(n, []).append(i)
@@ -523,9 +535,8 @@ def _size_plan(numels: Tuple[int, ...]) -> Optional[Tuple[Tuple[Callable[[Sequen
     order = [i for idx in buckets.values() for i in idx]
     inverse = torch.empty(len(order), dtype=torch.int64)
     inverse[torch.tensor(order)] = torch.arange(len(order))
-    getters = tuple(operator.itemgetter(*idx) if len(idx) > 1 else (lambda g, i=idx[0]: (g[i],))
-                    for idx in buckets.values())
-    return getters, inverse
+    return _SizePlan(tuple(operator.itemgetter(*idx) if len(idx) > 1 else (lambda g, i=idx[0]: (g[i],))
+                           for idx in buckets.values()), inverse)
 
 
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
@@ -580,9 +591,6 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
         order.extend(idx)
     lo, hi = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (los, his))
     return lo.unsqueeze(1), hi.unsqueeze(1), tuple(order)
-
-
-_SIZE = operator.attrgetter("shape")
 
 
 def _extremes_stacked(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int],
