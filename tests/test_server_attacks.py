@@ -661,6 +661,7 @@ server.close()
 
 
 @pytest.mark.slow
+@pytest.mark.quiet  # its bound is on scrape latency: another worker's load is not the attack's
 def test_a_slowloris_flood_leaves_scrapes_and_the_training_jobs_files_alone():
     job = subprocess.Popen([sys.executable, "-c", TRAINING_JOB], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
