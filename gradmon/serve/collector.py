@@ -52,12 +52,15 @@ ExportSource = Callable[[], ExportView]
 class _Families:
     """Metric families under construction, one per spec, created on first use. Label values
     are made encodable as they come in (:func:`utf8_text`): the exposition is encoded as
-    a whole, so one unencodable value would otherwise fail every model's scrape."""
+    a whole, so one unencodable value would otherwise fail every model's scrape.
+
+    A sample keeps the labels dict it is given, not a copy (a scrape makes one per sample
+    of a large model): pass one that nothing changes afterwards. Samples may share one."""
 
     def __init__(self) -> None:
         self._by_name: Dict[str, Metric] = {}
 
-    def add(self, spec: M.MetricSpec, labels: Mapping[str, str], value: float,
+    def add(self, spec: M.MetricSpec, labels: Dict[str, str], value: float,
             suffix: str = "") -> None:
         metric = self._by_name.get(spec.name)
         if metric is None:
@@ -65,10 +68,9 @@ class _Families:
             metric = self._by_name[spec.name] = Metric(spec.name, spec.help, typ)
         if not suffix and spec.type == "counter":
             suffix = "_total"
-        values = dict(labels)
-        if not all(map(str.isascii, values.values())):
-            values = {k: utf8_text(v) for k, v in values.items()}
-        metric.add_sample(spec.name + suffix, values, float(value))
+        if not all(map(str.isascii, labels.values())):
+            labels = {k: utf8_text(v) for k, v in labels.items()}
+        metric.add_sample(spec.name + suffix, labels, float(value))
 
     def merge(self, other: "_Families") -> None:
         """Add every sample of ``other`` (one model's, built apart so that it can be dropped)."""
@@ -95,7 +97,7 @@ def _fmt_bound(b: float) -> str:
 
 def add_view(fam: _Families, view: ExportView) -> None:
     """Every family one monitored model contributes."""
-    s, base = view.snapshot, view.labels
+    s, base = view.snapshot, dict(view.labels)  # shared by this view's samples without their own labels
     fam.add(M.INFO, _with(base, **view.info), 1)
     fam.add(M.WORLD_SIZE, base, float(view.info["world_size"]))
     for state in M.RUN_STATES:
@@ -118,7 +120,10 @@ def add_view(fam: _Families, view: ExportView) -> None:
             continue
         labels = _with(base, **series.labels)
         for layer, *kind, value in series.values:
-            fam.add(series.spec, _with(labels, layer=layer, **({"kind": kind[0]} if kind else {})), value)
+            sample = dict(labels, layer=layer)
+            if kind:
+                sample["kind"] = kind[0]
+            fam.add(series.spec, sample, value)
     for tensor, kind, count, reduced in s.rank_nonfinite:
         if view.reduced_per_layer or not reduced:
             fam.add(M.RANK_NONFINITE, _with(base, tensor=tensor, kind=kind), count)
