@@ -194,15 +194,50 @@ def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path, 
     for step, scrape in enumerate(live, start=1):
         assert set(scrape) == {k for k, v in replayed.items() if v[step] is not None}, step
         for key, value in scrape.items():
-            got = replayed[key][step]
-            # each encoded value is within 8e-6 (the column encoding: 2**-8), a ratio of two (a
-            # baseline ratio) within twice that, a ratio of ratios four times; a spike score divides
-            # log differences by a scale of at least spikes.LOG_FLOOR, where that becomes up to ~2e-4
-            # of score (~0.04 in the column encoding; the counters of spikes stay exact)
-            rel, score_abs = (2e-5, 1e-3) if cadence is None else (4 * 2.0 ** -8, 0.1)
-            close = pytest.approx(value, abs=score_abs) if key.startswith("gradmon_spike_score{") else \
-                pytest.approx(value, rel=rel, abs=1e-30)
-            assert got == close or (math.isnan(got) and math.isnan(value)), (step, key)
+            assert_encoded(replayed[key][step], value, columns=cadence is not None, where=(step, key))
+
+
+def assert_encoded(got: float, value: float, columns: bool, where: object) -> None:
+    """``got`` is what a replay made of a value gradmon exported as ``value``: each encoded value
+    is within 8e-6 (the column encoding: 2**-8), a ratio of two (a baseline ratio) within twice
+    that, a ratio of ratios four times; a spike score divides log differences by a scale of at
+    least spikes.LOG_FLOOR, where that becomes up to ~2e-4 of score (~0.04 in the column
+    encoding; the counters of spikes stay exact)."""
+    rel, score_abs = (4 * 2.0 ** -8, 0.1) if columns else (2e-5, 1e-3)
+    key = where[1] if isinstance(where, tuple) else str(where)
+    close = pytest.approx(value, abs=score_abs) if key.startswith("gradmon_spike_score{") else \
+        pytest.approx(value, rel=rel, abs=1e-30)
+    assert got == close or (math.isnan(got) and math.isnan(value)), where
+
+
+def test_a_recording_of_every_step_replayed_at_the_default_cadence_exports_what_the_defaults_did():
+    """The same short run recorded twice in one process (gradmon reads the training, never
+    changes it): with gradmon's defaults, and every statistic on every step. Replayed at the
+    default cadence, the second must export after every step what the first does (the column
+    encoding's precision aside): a section kept that the defaults would not have read, or one
+    dropped that they read, changes a series or its presence."""
+    run = replace(corpus.by_name()["gru-poisoned-batch-s0"], poison=(40, 41))
+    defaults = record_corpus.record(run, steps=60)
+    every = record_corpus.record(run, steps=60, cadence=record_corpus.EVERY_STEP)
+    assert np.array_equal(defaults["loss"], every["loss"])  # the same training, else nothing to compare
+    assert len(files.layouts(every)) < len(files.layouts(defaults))  # the defaults' packets differ by step
+    want = inprocess.replay_recording(defaults, run)
+    got = inprocess.replay_recording(every, run, cadence=inprocess.DEFAULT_CADENCE)
+    as_recorded = inprocess.replay_recording(every, run)
+    assert set(got) == set(want)
+    assert set(as_recorded) != set(want) or any(as_recorded[k] != want[k] for k in want)  # the cadence shows
+    for key in want:
+        for step, (a, b) in enumerate(zip(got[key], want[key])):
+            assert (a is None) == (b is None), (step, key)
+            if b is not None:
+                assert_encoded(a, b, columns=True, where=(step, key))
+
+
+def test_only_a_recording_of_every_step_replays_at_another_cadence():
+    run = replace(corpus.by_name()["gru-poisoned-batch-s0"], poison=(40, 41))
+    defaults = record_corpus.record(run, steps=3)
+    with pytest.raises(ValueError, match="only a recording of every step"):
+        inprocess.replay_recording(defaults, run, cadence=inprocess.DEFAULT_CADENCE)
 
 
 class _Replays(dict):

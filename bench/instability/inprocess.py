@@ -7,14 +7,23 @@ counters, the spike detectors, the baselines and the exporter are gradmon's own,
 are when the replay runs. After each step the publisher is flushed and the registry collected,
 keeping the samples a caller wants (the families the rules read: promtool's time grows with
 the series it loads).
+
+A recording of every statistic on every step (``record_corpus.py --every-step``) can be replayed
+as gradmon at another cadence would have published it (``cadence``, e.g. the defaults,
+:data:`DEFAULT_CADENCE`): on a step that cadence does not read, the packet loses the sections of
+the statistics it would not have recorded (``Statistic.detail``: ``detail_every``; the optimizer
+and weight reads: ``optimizer_every``), and the monitor is attached with that cadence. Both
+decisions are gradmon's own (``capture.hooks``: a step's index modulo the option); a test
+checks the replay so made against a recording made at that cadence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -23,6 +32,7 @@ from prometheus_client import CollectorRegistry
 import gradmon
 from gradmon import monitor as _monitor
 from gradmon import statistics as S
+from gradmon.config import Config
 from gradmon.capture.packet import StepPacket
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,6 +41,10 @@ import corpus_files as files  # noqa: E402
 from record import DROPPED, series_key  # noqa: E402  (the families no rule should see: the machine, the clock)
 
 Series = Dict[str, List[Optional[float]]]  # "name{labels}" -> value after attach (0) and after each step
+
+CADENCE_OPTIONS = ("detail_every", "optimizer_every")
+DEFAULT_CADENCE = {name: getattr(Config(), name) for name in CADENCE_OPTIONS}  # what a user who sets none gets
+_OPTIMIZER_READS = (S.OPTIMIZER, S.WEIGHT)  # the moments gradmon reads on optimizer_every steps only
 
 
 def _sections(layout: dict) -> tuple:
@@ -48,6 +62,26 @@ def forget_carried(monitor: gradmon.Monitor) -> None:
     re-attach within one process): each recorded run was a process of its own, and one process
     replays many runs."""
     _monitor._CARRIED.pop(monitor._carry_key(), None)
+
+
+def at_cadence(packet: StepPacket, cadence: Mapping[str, int]) -> StepPacket:
+    """``packet`` (of a monitor that read everything on every step) as a monitor at ``cadence``
+    would have published it: the sections of statistics that cadence does not read on this step
+    dropped, ``detail`` as it would have said."""
+    detail = packet.index % cadence["detail_every"] == 0
+    every = cadence["optimizer_every"]
+    optimizer = bool(every) and packet.index % every == 0
+    kept = [(section, blocks) for section, blocks in S.layout(packet.sections, packet.scalars).sections
+            if (detail or not section.statistic.detail) and (optimizer or section.statistic.at not in _OPTIMIZER_READS)]
+    if len(kept) == len(packet.sections):
+        return dataclasses.replace(packet, detail=detail)
+    data = packet.data
+    if data is not None:
+        at = [torch.arange(b.start, b.stop) for _, blocks in kept for b in blocks]
+        scalars = len(packet.scalars)
+        at.append(torch.arange(len(data) - scalars, len(data)))
+        data = data[torch.cat(at)]
+    return dataclasses.replace(packet, data=data, sections=tuple(section for section, _ in kept), detail=detail)
 
 
 class Packets:
@@ -73,19 +107,28 @@ class Packets:
                           detail=layout["detail"], measured_at_step=layout["measured_at_step"], learning_rates=lrs)
 
 
-def expositions(name: str, wanted: Callable[[str], bool] = lambda n: True, steps: Optional[int] = None) -> Series:
+def expositions(name: str, wanted: Callable[[str], bool] = lambda n: True, steps: Optional[int] = None,
+                cadence: Optional[Mapping[str, int]] = None) -> Series:
     """The wanted samples gradmon exported after attach and after each of the first ``steps``
-    steps of recording ``name``, replayed in this process."""
-    return replay_recording(files.load(name), corpus.by_name()[name], wanted, steps)
+    steps of recording ``name``, replayed in this process (at ``cadence``: :func:`replay_recording`)."""
+    return replay_recording(files.load(name), corpus.by_name()[name], wanted, steps, cadence)
 
 
 def replay_recording(rec: Dict[str, np.ndarray], run: corpus.Run, wanted: Callable[[str], bool] = lambda n: True,
-                     steps: Optional[int] = None) -> Series:
-    """:func:`expositions` of a recording's arrays (as ``corpus_files.load`` returns them)."""
+                     steps: Optional[int] = None, cadence: Optional[Mapping[str, int]] = None) -> Series:
+    """:func:`expositions` of a recording's arrays (as ``corpus_files.load`` returns them).
+    ``cadence`` (``detail_every`` and ``optimizer_every``; None: the recording's own): a recording
+    of every statistic on every step replayed as a monitor at that cadence would have published it."""
     wanted = functools.lru_cache(maxsize=None)(wanted)  # asked once a sample name, not once a sample
     name = run.name
     meta = files.meta(rec)
     options = dict(meta["options"])
+    if cadence is not None:
+        recorded = {k: options.get(k, DEFAULT_CADENCE[k]) for k in CADENCE_OPTIONS}
+        if recorded != {k: 1 for k in CADENCE_OPTIONS}:
+            raise ValueError(f"{name} was recorded at {recorded}: only a recording of every step can be "
+                             f"replayed at another cadence")
+        options.update({k: cadence[k] for k in CADENCE_OPTIONS})
     options.setdefault("incident_dir", "")  # a replay is no incident: no bundles in the working directory
     scaler = torch.amp.GradScaler("cpu") if options.pop("scaler") else None
     registry = CollectorRegistry()
@@ -99,7 +142,8 @@ def replay_recording(rec: Dict[str, np.ndarray], run: corpus.Run, wanted: Callab
         i = 0
         for step in range(1, total + 1):
             while i < len(packets) and packets.step[i] == step:
-                monitor._publish(packets.packet(i))  # the training thread's one hand-over
+                packet = packets.packet(i)
+                monitor._publish(packet if cadence is None else at_cadence(packet, cadence))  # the training thread's one hand-over
                 i += 1
             if not monitor.flush(30.0):
                 raise RuntimeError(f"{name}: gradmon's publisher did not fold step {step}")
