@@ -236,8 +236,10 @@ def test_a_recording_of_every_step_replayed_at_the_default_cadence_exports_what_
 def test_only_a_recording_of_every_step_replays_at_another_cadence():
     run = replace(corpus.by_name()["gru-poisoned-batch-s0"], poison=(40, 41))
     defaults = record_corpus.record(run, steps=3)
+    assert inprocess.replay_recording(defaults, run, cadence=inprocess.DEFAULT_CADENCE) == \
+        inprocess.replay_recording(defaults, run)
     with pytest.raises(ValueError, match="only a recording of every step"):
-        inprocess.replay_recording(defaults, run, cadence=inprocess.DEFAULT_CADENCE)
+        inprocess.replay_recording(defaults, run, cadence={"detail_every": 5, "optimizer_every": 20})
 
 
 class _Replays(dict):
@@ -246,7 +248,8 @@ class _Replays(dict):
 
     def __missing__(self, name: str) -> inprocess.Series:
         wanted = replay.read_by(pr.shipped_rules())
-        self[name] = inprocess.expositions(name, lambda n: n == "gradmon_loss" or wanted(n))
+        self[name] = inprocess.expositions(name, lambda n: n == "gradmon_loss" or wanted(n),
+                                           cadence=inprocess.DEFAULT_CADENCE)  # as score.py replays
         return self[name]
 
 

@@ -118,13 +118,16 @@ def replay_recording(rec: Dict[str, np.ndarray], run: corpus.Run, wanted: Callab
                      steps: Optional[int] = None, cadence: Optional[Mapping[str, int]] = None) -> Series:
     """:func:`expositions` of a recording's arrays (as ``corpus_files.load`` returns them).
     ``cadence`` (``detail_every`` and ``optimizer_every``; None: the recording's own): a recording
-    of every statistic on every step replayed as a monitor at that cadence would have published it."""
+    of every statistic on every step replayed as a monitor at that cadence would have published it;
+    a recording at that cadence as it is; any other is refused."""
     wanted = functools.lru_cache(maxsize=None)(wanted)  # asked once a sample name, not once a sample
     name = run.name
     meta = files.meta(rec)
     options = dict(meta["options"])
+    recorded = {k: options.get(k, DEFAULT_CADENCE[k]) for k in CADENCE_OPTIONS}
+    if cadence is not None and dict(cadence) == recorded:
+        cadence = None  # as recorded
     if cadence is not None:
-        recorded = {k: options.get(k, DEFAULT_CADENCE[k]) for k in CADENCE_OPTIONS}
         if recorded != {k: 1 for k in CADENCE_OPTIONS}:
             raise ValueError(f"{name} was recorded at {recorded}: only a recording of every step can be "
                              f"replayed at another cadence")

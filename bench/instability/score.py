@@ -7,8 +7,10 @@ per step with a 15 s scrape.
 
 Each recording (its sha256 checked against the manifest) is replayed through gradmon's in-process
 code (``inprocess.py``: the publisher's fold, spike detectors and baselines fed with the recorded
-packets), giving the exposition after every step; the shipped rules are evaluated over it with
-promtool at each step rate (``promreplay.py``), giving the alerts firing at every evaluation.
+packets), giving the exposition after every step, as gradmon with its default cadence exports it
+(a recording of every statistic on every step is replayed at the defaults' cadence:
+``inprocess.at_cadence``); the shipped rules are evaluated over it with promtool at each step rate
+(``promreplay.py``), giving the alerts firing at every evaluation.
 Labels come from the committed ``labels.json`` (its hash checked), never from the rules.
 
 Definitions (issue 22; times are evaluation times, steps are what the evaluation's scrape saw):
@@ -304,7 +306,8 @@ class _Work:
 def _replay_one(job: Tuple[_Work, dict]) -> Tuple[str, pr.Series, float]:
     work, rules = job
     t0 = time.monotonic()
-    return work.name, inprocess.expositions(work.name, replay.read_by(rules), work.steps), time.monotonic() - t0
+    return (work.name, inprocess.expositions(work.name, replay.read_by(rules), work.steps, inprocess.DEFAULT_CADENCE),
+            time.monotonic() - t0)
 
 
 def batches(work: Sequence[_Work], rates: Sequence[float], jobs: int, batch: int) -> List[Tuple[float, List[_Work]]]:
