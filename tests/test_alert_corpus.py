@@ -6,6 +6,7 @@ against what gradmon exported live, and the promtool timeline against an indepen
 from __future__ import annotations
 
 import json
+import lzma
 import math
 import re
 import sys
@@ -149,8 +150,8 @@ def test_the_encoding_refuses_a_finite_value_past_float32():
 
 
 def test_the_column_encoding_keeps_whole_numbers_exact_and_values_within_2_to_the_minus_8():
-    # two layouts (widths 3 and 2), packets interleaved as a detail cadence makes them
-    # two layouts (widths 3 and 2; layout 1's last value a step scalar, the loss), interleaved
+    # two layouts (widths 3 and 2; layout 1's last value a step scalar, the loss), packets
+    # interleaved as a detail cadence makes them
     rows = {0: [[0.0, 1.5, 7.0], [0.0, 1.51, 2.0 ** 31 - 1], [3.0, math.nan, 5.0]],
             1: [[1e-30, math.pi], [math.inf, 3.3e38], [-math.inf, -2.5e-3]]}
     layout = np.array([0, 1, 0, 1, 0, 1], np.int16)
@@ -166,6 +167,9 @@ def test_the_column_encoding_keeps_whole_numbers_exact_and_values_within_2_to_th
     assert np.all(np.abs(back[finite] - exact[finite]) <= 2.0 ** -8 * np.abs(exact[finite]))
     assert math.isnan(back[11]) and back[8] == math.inf and back[13] == -math.inf
     assert files.values({"packet_values": files.encode(exact)}) == pytest.approx(exact, rel=8e-6, nan_ok=True)
+    # the planes before they were compressed with LZMA (recordings of an earlier version) read the same
+    planes = np.frombuffer(lzma.decompress(rec.pop("packet_codes_xz").tobytes()), np.uint8).reshape(8, -1)
+    assert files.values({**rec, "packet_codes": planes}).tolist() == pytest.approx(back.tolist(), nan_ok=True)
 
 
 # -- the in-process replay -------------------------------------------------------------------
@@ -185,7 +189,7 @@ def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path, 
         live.append(inprocess._collect(registry, lambda name: True))
 
     arrays = record_corpus.record(run, steps=60, registry=registry, on_step=keep, cadence=cadence)
-    assert ("packet_codes" in arrays) == (cadence is not None)
+    assert ("packet_codes_xz" in arrays) == (cadence is not None)
     path = tmp_path / "run.npz"
     np.savez_compressed(path, **arrays)
     with np.load(path, allow_pickle=False) as z:

@@ -22,20 +22,23 @@ A recording holds, as numpy arrays (``np.load(..., allow_pickle=False)``):
   versions.
 
 A recording of every statistic on every step (``record_corpus.py --every-step``: four times the
-values of the default cadence) would not fit 0.5 MB so. It holds ``packet_codes`` and
+values of the default cadence) would not fit 0.5 MB so. It holds ``packet_codes_xz`` and
 ``packet_columns`` in place of ``packet_values`` (:func:`encode_columns`): the packets of each
 layout as a matrix, one column per value; a column of whole numbers kept exactly, the step
 scalars (the loss) as float32, any other column as float32 rounded to COLUMN_MANTISSA_BITS
 (bfloat16's precision, a relative error below 2**-8, float32's range); each column as
-differences from the step before (zigzag), column after column, in byte planes, so deflate sees
-the small numbers a slowly moving statistic makes.
-:func:`values` reads either.
+differences from the step before (zigzag), column after column, in byte planes, so that the
+compressor sees the small numbers a slowly moving statistic makes; the planes compressed with
+LZMA (a uint8 array: the .npz still loads without pickle), which a diverging run's codes needed
+to fit (deflate left them a sixth larger). An older recording's ``packet_codes`` (the planes
+as they are) reads too. :func:`values` reads every encoding.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
@@ -128,14 +131,24 @@ def encode_columns(exact: np.ndarray, offset: np.ndarray, layout: np.ndarray,
         codes.append(((d << 1) ^ (d >> 63)).T.reshape(-1))  # zigzag, column after column
         kinds.append(kind)
     z = np.concatenate(codes or [np.empty(0, np.int64)])
+    planes = z.view(np.uint8).reshape(-1, 8).T.tobytes()
     return {"packet_columns": np.concatenate(kinds or [np.empty(0, np.uint8)]),
-            "packet_codes": z.view(np.uint8).reshape(-1, 8).T.copy()}
+            "packet_codes_xz": np.frombuffer(lzma.compress(planes, preset=9 | lzma.PRESET_EXTREME), np.uint8)}
+
+
+def _codes(rec: Dict[str, np.ndarray]) -> np.ndarray:
+    """The zigzag codes (int64) of :func:`encode_columns`, from either of its layouts."""
+    if "packet_codes_xz" in rec:
+        planes = np.frombuffer(lzma.decompress(rec["packet_codes_xz"].tobytes()), np.uint8).reshape(8, -1)
+    else:
+        planes = rec["packet_codes"]
+    return np.ascontiguousarray(planes.T).view(np.int64).reshape(-1)
 
 
 def decode_columns(rec: Dict[str, np.ndarray]) -> np.ndarray:
     """The inverse of :func:`encode_columns`: float64 values in packet order."""
     offset, layout = rec["packet_offset"], rec["packet_layout"]
-    z = np.ascontiguousarray(rec["packet_codes"].T).view(np.int64).reshape(-1)
+    z = _codes(rec)
     out = np.empty(int(offset[-1]))
     at = col = 0
     for idx, width in _matrices(offset, layout):
@@ -153,7 +166,7 @@ def decode_columns(rec: Dict[str, np.ndarray]) -> np.ndarray:
 
 def values(rec: Dict[str, np.ndarray]) -> np.ndarray:
     """A recording's packet values (float64), in either encoding."""
-    return decode_columns(rec) if "packet_codes" in rec else decode(rec["packet_values"]).astype(np.float64)
+    return decode(rec["packet_values"]).astype(np.float64) if "packet_values" in rec else decode_columns(rec)
 
 
 def path(name: str) -> Path:
