@@ -49,7 +49,7 @@ def test_every_declared_run_is_recorded_with_the_manifests_checksum():
         assert entry["sha256"] == files.sha256(files.path(name)), name
 
 
-def test_the_corpus_has_40_runs_of_2000_steps_from_3_families_within_its_size_limits():
+def test_the_corpus_has_40_runs_of_2000_steps_from_3_families_every_statistic_every_step_within_its_size_limits():
     assert len(RUNS) >= 40
     assert len({e["family"] for e in RUNS.values()}) >= 3
     sizes = [files.path(n).stat().st_size for n in RUNS]
@@ -57,7 +57,9 @@ def test_the_corpus_has_40_runs_of_2000_steps_from_3_families_within_its_size_li
     for name in RUNS:
         with np.load(files.path(name), allow_pickle=False) as z:  # no object arrays anywhere
             assert len(z["loss"]) >= 2000 and len(z["loss"]) == RUNS[name]["steps"]
-            assert files.meta({"meta": z["meta"]})["torch_version"] == RUNS[name]["torch_version"]
+            meta = files.meta({"meta": z["meta"]})
+            assert meta["torch_version"] == RUNS[name]["torch_version"]
+            assert {k: meta["options"].get(k) for k in record_corpus.EVERY_STEP} == record_corpus.EVERY_STEP, name
 
 
 def test_every_step_of_a_recording_carries_gradmons_packet():
@@ -191,9 +193,11 @@ def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path, 
     arrays = record_corpus.record(run, steps=60, registry=registry, on_step=keep, cadence=cadence)
     assert ("packet_codes_xz" in arrays) == (cadence is not None)
     path = tmp_path / "run.npz"
-    np.savez_compressed(path, **arrays)
-    with np.load(path, allow_pickle=False) as z:
-        replayed = inprocess.replay_recording({k: z[k] for k in z.files}, run)
+    files.save(path, arrays)
+    stored = files.read(path)
+    assert stored.keys() == arrays.keys()
+    assert all(np.array_equal(stored[k], arrays[k], equal_nan=stored[k].dtype.kind == "f") for k in arrays)
+    replayed = inprocess.replay_recording(stored, run)
     assert len(live) == 60
     for step, scrape in enumerate(live, start=1):
         assert set(scrape) == {k for k, v in replayed.items() if v[step] is not None}, step
@@ -310,7 +314,7 @@ def test_a_whole_replay_cut_to_its_first_steps_is_the_replay_of_those_steps(repl
     the same as replaying those steps only, so long as nothing in the replay looks ahead."""
     name, steps = "cnn-poisoned-batch-s0", 300
     wanted = replay.read_by(pr.shipped_rules())
-    series = inprocess.expositions(name, wanted, steps)
+    series = inprocess.expositions(name, wanted, steps, cadence=inprocess.DEFAULT_CADENCE)
     cut = {k: v for k, v in score.first_steps(replays[name], steps).items() if wanted(k.split("{")[0])}
 
     def exact(s: inprocess.Series) -> dict:

@@ -133,7 +133,12 @@ def encode_columns(exact: np.ndarray, offset: np.ndarray, layout: np.ndarray,
     z = np.concatenate(codes or [np.empty(0, np.int64)])
     planes = z.view(np.uint8).reshape(-1, 8).T.tobytes()
     return {"packet_columns": np.concatenate(kinds or [np.empty(0, np.uint8)]),
-            "packet_codes_xz": np.frombuffer(lzma.compress(planes, preset=9 | lzma.PRESET_EXTREME), np.uint8)}
+            "packet_codes_xz": np.frombuffer(lzma.compress(planes, filters=_XZ), np.uint8)}
+
+
+# LZMA2 at its strongest, told that the data is not text (no literal context: the planes' bytes are
+# numbers, not characters)
+_XZ = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "lc": 0, "lp": 0, "pb": 0}]
 
 
 def _codes(rec: Dict[str, np.ndarray]) -> np.ndarray:
@@ -173,9 +178,35 @@ def path(name: str) -> Path:
     return DIR / f"{name}.npz"
 
 
+# Per-packet numbers stored as differences from the packet before (``<name>_diff``): the steps,
+# indices and offsets of a recording of every step rise by one (or by one width) a packet, which
+# deflate alone keeps at ~3 KB an array and as differences at ~50 bytes
+DIFFERENCED = ("packet_step", "packet_index", "packet_global_step", "packet_offset")
+
+
+def save(target: Path, arrays: Dict[str, np.ndarray]) -> None:
+    """Write a recording (``record_corpus.record``'s arrays) as :func:`load` reads it back,
+    atomically (a partial file is never left under the run's name)."""
+    stored = {(f"{k}_diff" if k in DIFFERENCED else k): (np.diff(v, prepend=0).astype(v.dtype) if k in DIFFERENCED
+                                                         else v) for k, v in arrays.items()}
+    tmp = target.with_suffix(".tmp.npz")
+    np.savez_compressed(tmp, **stored)
+    tmp.replace(target)
+
+
 def load(name: str) -> Dict[str, np.ndarray]:
-    with np.load(path(name), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+    return read(path(name))
+
+
+def read(source: Path) -> Dict[str, np.ndarray]:
+    """A recording's arrays, as ``record_corpus.record`` made them (whatever :func:`save` stored)."""
+    with np.load(source, allow_pickle=False) as z:
+        rec = {k: z[k] for k in z.files}
+    for k in DIFFERENCED:
+        if f"{k}_diff" in rec:
+            diff = rec.pop(f"{k}_diff")
+            rec[k] = np.cumsum(diff, dtype=diff.dtype)
+    return rec
 
 
 def meta(rec: Dict[str, np.ndarray]) -> dict:

@@ -5,13 +5,14 @@ step packet gradmon's publisher folded, exactly as it folded it.
     nice -n 19 python bench/instability/record_corpus.py --only lm-healthy-warmup-s0
     python bench/instability/record_corpus.py --manifest                 # rewrite manifest.json only
     nice -n 10 python bench/instability/record_corpus.py --set independent --dir /work/independent-corpus
-    nice -n 10 python bench/instability/record_corpus.py --every-step --dir DIR --only lm-healthy-warmup-s0
 
 Each run gets a fresh process, one at a time, one thread (gradmon's counters continue across
 attaches of one model name in one process; a real job is one process). gradmon is attached as a
 user would: ``gradmon.attach(model, registry=CollectorRegistry(), final_scrape_timeout=0,
-name=<family>, scaler=<the GradScaler of an fp16 run>)`` with every other option at its default,
-and ``monitor.observe(loss=...)`` every step. The recorder wraps the publisher's queue (to note the
+name=<family>, scaler=<the GradScaler of an fp16 run>, detail_every=1, optimizer_every=1)`` with
+every other option at its default, and ``monitor.observe(loss=...)`` every step: every statistic
+on every step (:data:`EVERY_STEP`), so that a detector may read any of them on any step, and the
+scorer replays what the defaults would have exported (``inprocess.at_cadence``). The recorder wraps the publisher's queue (to note the
 loop step of each packet) and the aggregator's fold (to copy each packet's host values after its
 transfer completed): gradmon itself runs unchanged. See ``corpus_files`` for the file layout.
 
@@ -189,17 +190,11 @@ def main() -> None:
     p.add_argument("--set", choices=sorted(SETS), default="corpus", help="which declared runs (default: corpus)")
     p.add_argument("--dir", type=Path, help="record into this directory instead of corpus/ (the independent set's "
                                             "lives outside the repository)")
-    p.add_argument("--every-step", action="store_true",
-                   help="every statistic on every step (detail_every=1, optimizer_every=1), in the column encoding; "
-                        "never into corpus/, whose labels are those of its own recordings")
     a = p.parse_args()
     if a.dir is not None:  # else the directory is corpus/ or, in a run's own process, the parent's
         files.use(a.dir)
     if a.set != "corpus" and files.ROOT in (files.DIR, *files.DIR.parents):
         p.error(f"--set {a.set} is recorded outside the repository (--dir), so that nobody tunes on it")
-    if a.every_step and files.DIR == files.COMMITTED:
-        p.error("--every-step records a new corpus: give it a --dir of its own (a re-recording's losses are not "
-                "bitwise the committed ones, so corpus/'s labels would not be its labels)")
     if a.manifest:
         write_manifest(a.set)
         return
@@ -209,17 +204,14 @@ def main() -> None:
     chosen = [r for r in declared if (r.name in a.only if a.only else not files.path(r.name).exists())]
     if len(chosen) > 1 or not a.only:
         for run in chosen:  # a fresh process per run, as a real job is (it inherits the directory: files.use)
-            subprocess.run([sys.executable, __file__, "--set", a.set, "--only", run.name,
-                            *(["--every-step"] if a.every_step else [])], check=True)
+            subprocess.run([sys.executable, __file__, "--set", a.set, "--only", run.name], check=True)
         write_manifest(a.set)
         return
     for run in chosen:
         t0 = time.process_time()
-        arrays = record(run, cadence=EVERY_STEP if a.every_step else None)
+        arrays = record(run, cadence=EVERY_STEP)
         out = files.path(run.name)
-        tmp = out.with_suffix(".tmp.npz")
-        np.savez_compressed(tmp, **arrays)
-        tmp.replace(out)
+        files.save(out, arrays)
         print(f"{run.name}: {len(arrays['packet_step'])} packets, {int(arrays['packet_offset'][-1])} values, "
               f"{time.process_time() - t0:.0f} CPU-s, {out.stat().st_size // 1024} KiB", flush=True)
 
