@@ -21,7 +21,7 @@ A recording holds, as numpy arrays (``np.load(..., allow_pickle=False)``):
 - ``meta`` (a JSON string): the run, the attach options, the layer names, the torch and gradmon
   versions.
 
-A recording of every statistic on every step (``record_corpus.py --every-step``: four times the
+A recording of every statistic on every step (``record_corpus.py``: four times the
 values of the default cadence) would not fit 0.5 MB so. It holds ``packet_codes_xz`` and
 ``packet_columns`` in place of ``packet_values`` (:func:`encode_columns`): the packets of each
 layout as a matrix, one column per value; a column of whole numbers kept exactly, the step

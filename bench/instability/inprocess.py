@@ -8,7 +8,7 @@ are when the replay runs. After each step the publisher is flushed and the regis
 keeping the samples a caller wants (the families the rules read: promtool's time grows with
 the series it loads).
 
-A recording of every statistic on every step (``record_corpus.py --every-step``) can be replayed
+A recording of every statistic on every step (``record_corpus.py``) can be replayed
 as gradmon at another cadence would have published it (``cadence``, e.g. the defaults,
 :data:`DEFAULT_CADENCE`): on a step that cadence does not read, the packet loses the sections of
 the statistics it would not have recorded (``Statistic.detail``: ``detail_every``; the optimizer
