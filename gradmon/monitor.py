@@ -310,18 +310,20 @@ class Monitor:
         failed = self._serving.join(port, self._errors, self.name)
         if failed is not None:
             self._state, self.error = "server_failed", failed
+        self._recorder = wired.recorder
+        self._publisher = Publisher(wired.aggregator, self._errors, self.name)
+        # served from here on, before the hooks: a scrape in between sees the run at its first
+        # step, never an endpoint that is up with no series of it (a live view shadows the held one)
+        self._serving.register(self._errors.record,
+                               lambda: (self.snapshot().generation, self._run_state, self._errors.total()))
         held = _HELD.get(self._carry_key())
         if held is not None:  # the same model again (a notebook cell run twice): it serves its own state now
             held._stop_holding(final_scrape=False)
-        self._recorder = wired.recorder
-        self._publisher = Publisher(wired.aggregator, self._errors, self.name)
         for text in sharded.limits(wired.units):
             self._add_limit(text)
         self._hooks.install(wired.recorder, model, wired.layers, cfg, [block for _, block in wired.blocks])
         self._state = self._state if self._state == "server_failed" else "running"
         self._carry.taken(self._carry_key())  # now in this monitor's counters
-        self._serving.register(self._errors.record,
-                               lambda: (self.snapshot().generation, self._run_state, self._errors.total()))
 
     def _on_incident(self, incident: NonFiniteIncident, starts: bool) -> None:
         """Publisher thread: the incident bundle (written inside the fold, so before any

@@ -540,6 +540,39 @@ def test_keep_serving_serves_the_finished_run_and_its_page_after_detach_until_ta
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
+def test_the_endpoint_serves_a_model_before_its_hooks_exist_and_a_held_run_until_its_successor(monkeypatch):
+    """A scrape while attach() installs the hooks (here: from inside the installation) sees the
+    model at its first step, not an endpoint that is up with no series of it; and a held run
+    taken over is served until the new monitor is, never neither."""
+    from gradmon.capture.hooks import HookSet
+    from servers import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    seen = []
+    install = HookSet.install
+
+    def scraping_install(self, *args, **kwargs):
+        seen.append(scrape(url))
+        return install(self, *args, **kwargs)
+
+    model = mlp()
+    monkeypatch.setattr(HookSet, "install", scraping_install)
+    mon = gradmon.attach(model, port=port, addr="127.0.0.1", final_scrape_timeout=0, keep_serving=True)
+    assert value(seen[0], "gradmon_steps_total") == 0
+    monkeypatch.setattr(HookSet, "install", install)
+    train(model, 3)
+    mon.detach()  # held: its final view served
+
+    monkeypatch.setattr(HookSet, "install", scraping_install)
+    again = gradmon.attach(model, port=port, addr="127.0.0.1", final_scrape_timeout=0)
+    try:
+        assert value(seen[1], "gradmon_steps_total") == 3  # the counters continue under the same name
+        assert value(seen[1], "gradmon_run_state", state="training") == 1  # the new run's view, not the held one
+    finally:
+        again.detach()
+
+
 @pytest.mark.slow
 def test_a_two_rank_ddp_job_announces_once_from_rank_0(tmp_path, capfd):
     """Real ranks (gloo, spawned): the line comes from rank 0 alone, rank 1 keeps quiet."""
