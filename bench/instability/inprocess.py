@@ -68,7 +68,7 @@ def at_cadence(packet: StepPacket, cadence: Mapping[str, int]) -> StepPacket:
     """``packet`` (of a monitor that read everything on every step) as a monitor at ``cadence``
     would have published it: the sections of statistics that cadence does not read on this step
     dropped, ``detail`` as it would have said."""
-    detail = packet.index % cadence["detail_every"] == 0
+    detail = packet.detail and packet.index % cadence["detail_every"] == 0  # a skipped step's packet has none
     every = cadence["optimizer_every"]
     optimizer = bool(every) and packet.index % every == 0
     kept = [(section, blocks) for section, blocks in S.layout(packet.sections, packet.scalars).sections
@@ -145,8 +145,8 @@ def replay_recording(rec: Dict[str, np.ndarray], run: corpus.Run, wanted: Callab
         i = 0
         for step in range(1, total + 1):
             while i < len(packets) and packets.step[i] == step:
-                packet = packets.packet(i)
-                monitor._publish(packet if cadence is None else at_cadence(packet, cadence))  # the training thread's one hand-over
+                packet = packets.packet(i) if cadence is None else at_cadence(packets.packet(i), cadence)
+                monitor._publish(packet)  # the training thread's one hand-over
                 i += 1
             if not monitor.flush(30.0):
                 raise RuntimeError(f"{name}: gradmon's publisher did not fold step {step}")
