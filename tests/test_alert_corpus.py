@@ -202,20 +202,19 @@ def test_the_replay_of_a_recording_exports_what_gradmon_exported_live(tmp_path, 
     for step, scrape in enumerate(live, start=1):
         assert set(scrape) == {k for k, v in replayed.items() if v[step] is not None}, step
         for key, value in scrape.items():
-            assert_encoded(replayed[key][step], value, columns=cadence is not None, where=(step, key))
+            assert_encoded(replayed[key][step], value, columns=cadence is not None, step=step, key=key)
 
 
-def assert_encoded(got: float, value: float, columns: bool, where: object) -> None:
+def assert_encoded(got: float, value: float, columns: bool, step: int, key: str) -> None:
     """``got`` is what a replay made of a value gradmon exported as ``value``: each encoded value
     is within 8e-6 (the column encoding: 2**-8), a ratio of two (a baseline ratio) within twice
     that, a ratio of ratios four times; a spike score divides log differences by a scale of at
     least spikes.LOG_FLOOR, where that becomes up to ~2e-4 of score (~0.04 in the column
     encoding; the counters of spikes stay exact)."""
     rel, score_abs = (4 * 2.0 ** -8, 0.1) if columns else (2e-5, 1e-3)
-    key = where[1] if isinstance(where, tuple) else str(where)
     close = pytest.approx(value, abs=score_abs) if key.startswith("gradmon_spike_score{") else \
         pytest.approx(value, rel=rel, abs=1e-30)
-    assert got == close or (math.isnan(got) and math.isnan(value)), where
+    assert got == close or (math.isnan(got) and math.isnan(value)), (step, key)
 
 
 def test_a_recording_of_every_step_replayed_at_the_default_cadence_exports_what_the_defaults_did():
@@ -238,7 +237,7 @@ def test_a_recording_of_every_step_replayed_at_the_default_cadence_exports_what_
         for step, (a, b) in enumerate(zip(got[key], want[key])):
             assert (a is None) == (b is None), (step, key)
             if b is not None:
-                assert_encoded(a, b, columns=True, where=(step, key))
+                assert_encoded(a, b, columns=True, step=step, key=key)
 
 
 def test_only_a_recording_of_every_step_replays_at_another_cadence():

@@ -12,9 +12,10 @@ user would: ``gradmon.attach(model, registry=CollectorRegistry(), final_scrape_t
 name=<family>, scaler=<the GradScaler of an fp16 run>, detail_every=1, optimizer_every=1)`` with
 every other option at its default, and ``monitor.observe(loss=...)`` every step: every statistic
 on every step (:data:`EVERY_STEP`), so that a detector may read any of them on any step, and the
-scorer replays what the defaults would have exported (``inprocess.at_cadence``). The recorder wraps the publisher's queue (to note the
-loop step of each packet) and the aggregator's fold (to copy each packet's host values after its
-transfer completed): gradmon itself runs unchanged. See ``corpus_files`` for the file layout.
+scorer replays what the defaults would have exported (``inprocess.at_cadence``). The recorder
+wraps the publisher's queue (to note the loop step of each packet) and the aggregator's fold (to
+copy each packet's host values after its transfer completed): gradmon itself runs unchanged. See
+``corpus_files`` for the file layout.
 
 Recordings are kept, not regenerated: CPU runs are not bitwise reproducible across torch
 versions, so a re-recorded corpus is a different corpus (and needs new labels).
