@@ -154,6 +154,14 @@ class Config:
     the 34-90 steps in which a layer's norm rises before a loss spike, and more. Restarts
     with the spike windows; kept on the publisher thread, no training-time cost."""
 
+    baseline_warmup: int = 100
+    """Steps after attach whose values enter no baseline median (activation_baseline,
+    norm_baseline, update_baseline): a layer's norm during the first learning phase (an
+    lr warm-up, the first loss drop) is no measure of its normal, and a median of it put
+    a healthy run's norm at 4x its "baseline" just after the rules' own warm-up
+    (Thresholds.warmup_steps, the same 100 steps, which the rules' baselines leave out too).
+    0: every step enters. Kept on the publisher thread, no training-time cost."""
+
     norm_jump_ratio: float = 3.0
     """A sampled step where any layer's gradient norm is far outside its own recent spread
     (above ``spike_threshold`` robust deviations of its log over ``spike_window`` steps, an
@@ -538,6 +546,7 @@ def _check_detection(cfg: Config) -> None:
     _in_range(cfg, "spike_window", 4, math.inf, "an integer number of steps of at least 4")
     _in_range(cfg, "spike_min_steps", 4, cfg.spike_window, f"in 4..spike_window ({cfg.spike_window})")
     from .statistics import MIN_BASELINE  # the ratio is absent until that many values exist anyway
+    _in_range(cfg, "baseline_warmup", 0, 1_000_000, "an integer number of steps in 0..1000000")
     for baseline in ("activation_baseline", "norm_baseline", "update_baseline"):
         _in_range(cfg, baseline, MIN_BASELINE, 10_000, f"an integer in {MIN_BASELINE}..10000")
 

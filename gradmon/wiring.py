@@ -113,7 +113,7 @@ def _aggregator(cfg: Config, name: str, rank: RankInfo, layers: Sequence[Layer],
                       divergence=DivergenceWatch(DivergenceSettings(floor=cfg.loss_floor)),
                       windows={g.baseline: getattr(cfg, g.baseline)
                                for st in statistics for g in st.gauges if g.baseline},
-                      history=history)
+                      baseline_warmup=cfg.baseline_warmup, history=history)
 
 
 def _black_box(cfg: Config, name: str, rank: RankInfo, errors: ErrorLog, layers: Sequence[Layer],

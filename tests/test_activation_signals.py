@@ -278,7 +278,7 @@ def test_abs_max_ratio_follows_the_median_of_the_layers_own_last_measurements(at
     maxima: List[float] = []
     model[0].register_forward_hook(lambda m, i, o: maxima.append(o.detach().abs().max().item()))
     window = 10
-    mon = attach(model, detail_every=1, activation_baseline=window)
+    mon = attach(model, detail_every=1, activation_baseline=window, baseline_warmup=0)
 
     def ratio():
         mon.flush()

@@ -106,9 +106,10 @@ def series_count(s) -> int:
     return len(s)
 
 
-def test_other_ranks_export_few_series_and_name_their_own_blow_up_and_nan_by_layer(tmp_path):
+def test_other_ranks_export_few_series_and_name_their_own_blow_up_and_nan_by_layer(tmp_path, monkeypatch):
     """At the defaults rank 1 exports no per-layer series; what only its own data shows (a
     blow-up, a NaN before the all-reduce averages it) is still named there, with the layer."""
+    monkeypatch.setenv("GRADMON_BASELINE_WARMUP", "0")  # 12 calm steps make the baselines (the ranks inherit it)
     job = Job(tmp_path, [{"name": "calm", "steps": 12, "lr": 0.0},  # one lr: a jump restarts the baselines
                          {"name": "blowup", "steps": 2, "input_scale_by_rank": {"1": 100.0},
                           "loss_scale_by_rank": {"1": 100.0}, "lr": 0.0},

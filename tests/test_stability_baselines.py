@@ -55,7 +55,7 @@ def expected(values: List[float], window: int) -> float:
 
 def test_grad_norm_baseline_ratio_is_the_norm_over_the_median_of_its_own_last_steps(attach):
     run, window = Run(), 10
-    mon = attach(run.model, norm_baseline=window)
+    mon = attach(run.model, norm_baseline=window, baseline_warmup=0)
     for i in range(S.MIN_BASELINE - 1):
         run.step()
         assert ratio(mon, M.GRAD_NORM_BASELINE_RATIO) is None, f"a ratio after {i + 1} measurements"
@@ -69,9 +69,34 @@ def test_grad_norm_baseline_ratio_is_the_norm_over_the_median_of_its_own_last_st
     assert got == pytest.approx(expected(run.norms, window), rel=1e-5) and got > 4
 
 
+def test_the_first_baseline_warmup_steps_enter_no_baseline(attach):
+    """A layer's norm in the first learning phase is no measure of its normal: the steps
+    before ``baseline_warmup`` enter no median, so a norm 50x those steps is 1x its baseline."""
+    run, window, warmup = Run(), 10, 20
+    mon = attach(run.model, norm_baseline=window, baseline_warmup=warmup)
+    for _ in range(warmup):
+        run.step(loss_scale=0.02)  # an early phase of tiny gradients
+    for i in range(S.MIN_BASELINE - 1):
+        run.step()
+        assert ratio(mon, M.GRAD_NORM_BASELINE_RATIO) is None, f"a ratio from {i + 1} steps past the warm-up"
+    for _ in range(window + 2):
+        run.step()
+        got = ratio(mon, M.GRAD_NORM_BASELINE_RATIO)
+        # the median of the steps after the warm-up alone (the window never reaches back into it)
+        assert got == pytest.approx(expected(run.norms[warmup:], window), rel=1e-5)
+        assert 0.3 < got < 3.0, "a norm 50x the warm-up's read as a jump"
+    assert run.norms[warmup] > 10 * max(run.norms[:warmup])  # the early phase was that different
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10"])
+def test_a_baseline_warmup_that_is_not_a_step_count_is_refused(attach, bad):
+    with pytest.raises((TypeError, ValueError), match="baseline_warmup"):
+        attach(nn.Linear(2, 2), baseline_warmup=bad)
+
+
 def test_update_ratio_baseline_ratio_is_the_update_ratio_over_the_median_of_its_own_readings(attach):
     run, window = Run(), 9
-    mon = attach(run.model, optimizer_every=2, update_baseline=window)
+    mon = attach(run.model, optimizer_every=2, update_baseline=window, baseline_warmup=0)
     read: List[float] = []  # the readings gradmon takes: steps 1, 3, 5... (the first one included)
     for i in range(2 * (window + 6)):
         run.step(scale=40.0 if i == 2 * (window + 5) else 1.0)
@@ -87,7 +112,8 @@ def test_update_ratio_baseline_ratio_is_the_update_ratio_over_the_median_of_its_
 
 def test_both_baselines_restart_when_the_learning_rate_jumps_and_the_activation_ones_do_not(attach):
     run = Run(lr=0.05)
-    mon = attach(run.model, norm_baseline=16, update_baseline=16, optimizer_every=1, detail_every=1)
+    mon = attach(run.model, norm_baseline=16, update_baseline=16, optimizer_every=1, detail_every=1,
+                 baseline_warmup=0)
     for _ in range(12):
         run.step()
     assert ratio(mon, M.GRAD_NORM_BASELINE_RATIO) is not None
@@ -123,7 +149,7 @@ def test_a_layer_jumping_far_outside_its_own_spread_counts_a_spike_step_between_
     process at the step it happens: a scrape that comes after the next, ordinary step (when
     the gauge is back near 1) still sees it, and the steps since it say when it was."""
     run, warm = Run(), 40
-    mon = attach(run.model, norm_baseline=10, spike_min_steps=32)
+    mon = attach(run.model, norm_baseline=10, spike_min_steps=32, baseline_warmup=0)
 
     def jumps() -> float:
         return value(fresh(mon), M.exposed_names(M.SPIKE_STEPS)[0], signal=M.SIGNAL_LAYER_GRAD_NORM)

@@ -43,14 +43,16 @@ class Aggregator:
                  on_incident: Optional[OnIncident] = None, amp: bool = False,
                  tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = (),
                  spikes: Optional[SpikeTracker] = None, windows: Optional[Mapping[str, int]] = None,
-                 history: Optional[History] = None, divergence: Optional[DivergenceWatch] = None) -> None:
+                 history: Optional[History] = None, divergence: Optional[DivergenceWatch] = None,
+                 baseline_warmup: int = 0) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index; ``tied`` maps a recorder layer without parameters of
         its own to the module that owns them; ``block_names`` names the BLOCK records'
         keys (``input``, the root's children, ``output``); ``spikes`` scores the loss and
         the statistics' totals (default: every signal, default settings); ``windows`` the
-        length of each baseline gauge's window by its Config field (see ``LayerGauge.baseline``)."""
+        length of each baseline gauge's window by its Config field (see ``LayerGauge.baseline``);
+        ``baseline_warmup`` the steps whose values enter no baseline (Config.baseline_warmup)."""
         names = self.layer_names = tuple(layer_names)
         group = tuple(layer_group) if layer_group is not None else tuple(range(len(names)))
         param_group = tuple(group[layer] for layer in param_layer)
@@ -69,6 +71,7 @@ class Aggregator:
         self.spikes = spikes if spikes is not None else SpikeTracker(
             S.spike_signals(statistics, reduced_here=True), raw_below_zero=(M.SIGNAL_LOSS,))
         self.divergence = divergence if divergence is not None else DivergenceWatch()
+        self.baseline_warmup = baseline_warmup
         self.history = history  # the live page's ring buffers, filled step by step here
         self.black_box: Optional[BlackBox] = None  # the incident bundles' steps, kept here; set by attach
         self.guard: Optional[GuardSkips] = None  # the step guard's skips (guard=); set by attach
@@ -196,7 +199,7 @@ class Aggregator:
         if stat.total is not None:
             self._fold_total(f, acc, bad)
         if sampled or not stat.sampled:
-            columns = f.update_gauges(acc)
+            columns = f.update_gauges(acc, baseline=self.spikes.steps > self.baseline_warmup)
             for gauge in stat.gauges:
                 if gauge.jump is not None:
                     self.spikes.observe_layers(gauge.jump, {layer: gauge.value(c) for layer, c in columns.items()})

@@ -181,9 +181,9 @@ class Folded:
         self.last = {}
         return norms
 
-    def _baseline(self, gauge: LayerGauge, layer: int, x: Optional[float]) -> None:
+    def _baseline(self, gauge: LayerGauge, layer: int, x: Optional[float], enters: bool) -> None:
         window = self.history[gauge][layer]
-        if x is not None and math.isfinite(x):
+        if enters and x is not None and math.isfinite(x):
             window.append(x)  # a NaN step must not poison the baseline for a whole window
         self._unsettled[(gauge, layer)] = x
 
@@ -196,9 +196,10 @@ class Folded:
             self.gauges[gauge][layer] = S.relative(x, self.history[gauge][layer])
         self._unsettled.clear()
 
-    def update_gauges(self, acc: Mapping[int, List[float]]) -> Dict[int, Dict[str, float]]:
+    def update_gauges(self, acc: Mapping[int, List[float]], baseline: bool = True) -> Dict[int, Dict[str, float]]:
         """Every gauge of every layer this step has records of (a baseline ratio waits for
-        :meth:`settle`); each layer's columns."""
+        :meth:`settle`; ``baseline``: whether this step's values enter the baselines); each
+        layer's columns."""
         stores = [(gauge, self.gauges[gauge]) for gauge in self.stat.gauges]
         if not stores:
             return {}
@@ -209,7 +210,7 @@ class Folded:
                 if gauge.baseline is None:
                     store[layer] = gauge.value(columns)
                 else:
-                    self._baseline(gauge, layer, gauge.value(columns))
+                    self._baseline(gauge, layer, gauge.value(columns), baseline)
         return every
 
     def restart(self) -> None:
