@@ -156,6 +156,13 @@ GRAD_NORM_BASELINE_RATIO = _spec("grad_norm_baseline_ratio", "gauge", ("layer",)
                                      "left out); absent until 8 exist and again for 8 measurements after a "
                                      "learning-rate jump or a resume. ~1 when healthy; the per-layer early "
                                      "warning of a loss spike (see [Alerts](alerts.md))")
+GRAD_NORM_ABOVE_BASELINE_STEPS = _spec(
+    "grad_norm_above_baseline_steps", "gauge", (),
+    "Sampled steps in a row, up to the last, in which a layer's gradient norm was above norm_baseline_ratio (4) times "
+    "its own baseline (gradmon_grad_norm_baseline_ratio): the longest such run among the layers; 0 when none is.",
+    doc="Sampled steps in a row, up to the last, in which a layer's `gradmon_grad_norm_baseline_ratio` was above "
+        "`norm_baseline_ratio` (4): the longest such run among layers, counted in the process at every sampled "
+        "step, so that `GradmonGradNormAboveBaseline` holds for steps, not minutes; 0 when none is")
 UPDATE_RATIO_BASELINE_RATIO = _spec("update_ratio_baseline_ratio", "gauge", ("layer",),
                                     "The layer's update-to-weight ratio over its own baseline: the median of its last "
                                     "update_baseline optimizer_every measurements (absent until 8 exist; restarted by "

@@ -159,6 +159,11 @@ class LayerGauge:
     layers that are all calm, the largest is noise and would change every scrape."""
     per_layer: bool = True
     """False: the per-layer values only feed ``worst`` and are never exported."""
+    above: Optional[Tuple[Callable[[Any], float], M.MetricSpec]] = None
+    """With ``baseline``: a threshold on the ratio (from ``gradmon.thresholds.Thresholds``),
+    and a model-level gauge of the steps in a row, up to the last, in which a layer's ratio
+    was above it (the longest run among layers), counted in the process from every value
+    the gauge is given."""
     restarts: bool = False
     """The baseline is forgotten where the spike windows restart (a learning-rate jump, a
     resumed run): for values that move with the learning rate, whose old median would
@@ -306,6 +311,7 @@ GRAD = Statistic(
                                                        line=("red", lambda th: th.explode_abs))),
             LayerGauge(M.GRAD_NORM_BASELINE_RATIO, _norm, baseline="norm_baseline", restarts=True,
                        jump=M.SIGNAL_LAYER_GRAD_NORM,
+                       above=(lambda th: th.norm_baseline_ratio, M.GRAD_NORM_ABOVE_BASELINE_STEPS),
                        panel=Panel("Gradient norm over its own baseline", log=True,
                                    line=("orange", lambda th: th.norm_baseline_ratio),
                                    description="Each layer's norm over the median of its own last norm_baseline "

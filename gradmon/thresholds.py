@@ -50,6 +50,12 @@ class Thresholds:
     sampled steps, sustained (``norm_ratio_for``), is the warning tier. Not 3: the small
     LayerNorm layers of gradmon's own healthy demo reach 3.1x for a few dozen steps early
     in training."""
+    norm_ratio_steps: int = 6
+    """Sampled steps in a row a layer's gradient norm must stay above ``norm_baseline_ratio``
+    times its baseline (``gradmon_grad_norm_above_baseline_steps``, counted in the process)
+    for ``GradmonGradNormAboveBaseline``: steps, not minutes, so the same at 1 and at 60 s a
+    step. Chosen on the alert corpus's tune split (docs/alert-evaluation.md): 2 steps let
+    a healthy run's learning-phase jolts through, 12 left almost no early warning."""
     update_baseline_ratio: float = 10.0
     """A layer's update-to-weight ratio this many times its own baseline (its median of
     the last update_baseline readings): the layer moves an order of magnitude faster

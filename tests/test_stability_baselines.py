@@ -69,6 +69,54 @@ def test_grad_norm_baseline_ratio_is_the_norm_over_the_median_of_its_own_last_st
     assert got == pytest.approx(expected(run.norms, window), rel=1e-5) and got > 4
 
 
+def steps_above(mon) -> Optional[float]:
+    hits = [v for (n, ls), v in fresh(mon).items() if n == M.GRAD_NORM_ABOVE_BASELINE_STEPS.name]
+    return hits[0] if hits else None
+
+
+def expected_run(values: List[float], window: int, above: float = 4.0) -> int:
+    """The steps in a row, up to the last, whose value was above ``above`` times the median
+    of the last ``window`` values then (that one included; none before MIN_BASELINE)."""
+    run = 0
+    for j in range(len(values)):
+        seen = values[max(0, j + 1 - window):j + 1]
+        run = run + 1 if len(seen) >= S.MIN_BASELINE and values[j] > above * statistics.median(seen) else 0
+    return run
+
+
+def test_the_steps_a_layer_norm_stays_above_4x_its_baseline_are_counted_in_the_process(attach):
+    """gradmon_grad_norm_above_baseline_steps counts sampled steps in a row with a layer's
+    ratio above norm_baseline_ratio, from every step (here a scrape every step): the run
+    grows with each step above, and a step back under ends it."""
+    run, window = Run(lr=0.0), 10  # lr 0: the weights stay, so a loss scale scales the norm exactly
+    mon = attach(run.model, norm_baseline=window, baseline_warmup=0)
+    seen = []
+    for scale in [1.0] * 12 + [20.0] * 4 + [1.0] * 2:
+        run.step(loss_scale=scale)
+        seen.append(steps_above(mon))
+        assert seen[-1] == expected_run(run.norms, window), (len(seen), seen)
+    # 4 of a window of 10 leave its median calm: each of them is 20x it, then a calm step ends the run
+    assert seen[11:] == [0, 1, 2, 3, 4, 0, 0], seen
+
+
+def test_steps_above_the_baseline_counted_between_scrapes_and_reset_by_a_learning_rate_jump(attach):
+    """With no scrape between the steps, each step is still judged (against the median the
+    next scrape reads); a learning-rate jump restarts the baselines and the run."""
+    run, window = Run(lr=0.0), 10
+    mon = attach(run.model, norm_baseline=window, baseline_warmup=0)
+    for _ in range(12):
+        run.step()
+    mon.flush()
+    fresh(mon)
+    for _ in range(3):
+        run.step(loss_scale=20.0)
+    assert steps_above(mon) == 3
+    for group in run.opt.param_groups:
+        group["lr"] = 0.5  # a jump: the old median is no baseline for the new rate
+    run.step(loss_scale=20.0)
+    assert steps_above(mon) == 0
+
+
 def test_the_first_baseline_warmup_steps_enter_no_baseline(attach):
     """A layer's norm in the first learning phase is no measure of its normal: the steps
     before ``baseline_warmup`` enter no median, so a norm 50x those steps is 1x its baseline."""

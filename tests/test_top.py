@@ -153,6 +153,18 @@ def test_local_checks_name_real_alerts_and_fire_at_the_rules_thresholds():
     assert "not exported here" in frame  # a rank without per-layer series says so
 
 
+def test_a_layer_above_its_baseline_fires_only_once_its_run_of_steps_reaches_the_rules():
+    th = alerting.Thresholds()
+    def frame(run: int) -> str:
+        text = exposition("gradmon_steps_total 500", 'gradmon_grad_norm_baseline_ratio{layer="embed"} 6',
+                          f"gradmon_grad_norm_above_baseline_steps {run}")
+        view = top.View(Fixed([text]), clock=lambda: 0.0)
+        view.refresh()
+        return "\n".join(top.render(view, width=300))
+    assert "GradmonGradNormAboveBaseline" not in frame(th.norm_ratio_steps - 1)
+    assert "!! GradmonGradNormAboveBaseline: embed: norm / its baseline 6 > 4" in frame(th.norm_ratio_steps)
+
+
 def test_sparkline_is_log_scaled_and_marks_non_finite_values():
     assert top.sparkline([1, 10, 100]) == "▁▅█"
     assert top.sparkline([1, float("nan"), 1000, None]) == "▁!█ "

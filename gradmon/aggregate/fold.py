@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from statistics import median
 from typing import Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .. import metrics as M
 from .. import statistics as S
 from ..capture.packet import StepPacket
 from ..statistics import LayerGauge, Statistic
+from ..thresholds import Thresholds
 
 _NO_MOMENTS = (0.0,) * len(S.MOMENT_COLUMNS)  # an empty MOMENTS accumulator
 _PLANS = 8  # record layouts kept per statistic: a step's layout is nearly always the last one's
@@ -55,6 +58,11 @@ class Folded:
         self.history: Dict[LayerGauge, List[Deque[float]]] = {
             g: [deque(maxlen=windows[g.baseline]) for _ in range(n)] for g in stat.gauges if g.baseline}
         self._unsettled: Dict[Tuple[LayerGauge, int], Optional[float]] = {}  # values whose ratio waits for settle()
+        # each ``above`` gauge's run of steps above its threshold per layer, and the values
+        # given since the last settle() (each is judged against the median settle() reads)
+        self.streaks: Dict[LayerGauge, List[int]] = {g: [0] * n for g in stat.gauges if g.above is not None}
+        self._arrived: Dict[Tuple[LayerGauge, int], List[Optional[float]]] = {}
+        self._above = {g: g.above[0](Thresholds()) for g in self.streaks}  # type: ignore[index]
         self.total: Optional[float] = None
         columns = stat.columns
         self.nan = stat.index("nan") if stat.counter is not None else -1
@@ -186,6 +194,8 @@ class Folded:
         if enters and x is not None and math.isfinite(x):
             window.append(x)  # a NaN step must not poison the baseline for a whole window
         self._unsettled[(gauge, layer)] = x
+        if gauge.above is not None:
+            self._arrived.setdefault((gauge, layer), []).append(x)
 
     def settle(self) -> None:
         """The ratios to their baselines of the values given since the last call, into the
@@ -195,6 +205,15 @@ class Folded:
         for (gauge, layer), x in self._unsettled.items():
             self.gauges[gauge][layer] = S.relative(x, self.history[gauge][layer])
         self._unsettled.clear()
+        for (gauge, layer), values in self._arrived.items():
+            self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], values, self.history[gauge][layer],
+                                                 self._above[gauge])
+        self._arrived.clear()
+
+    def longest_streaks(self) -> Dict[M.MetricSpec, int]:
+        """Each ``above`` gauge's longest current run among layers (settled first)."""
+        self.settle()
+        return {gauge.above[1]: max(runs, default=0) for gauge, runs in self.streaks.items()}  # type: ignore[index]
 
     def update_gauges(self, acc: Mapping[int, List[float]], baseline: bool = True) -> Dict[int, Dict[str, float]]:
         """Every gauge of every layer this step has records of (a baseline ratio waits for
@@ -220,6 +239,20 @@ class Folded:
             if gauge.restarts:
                 for window in windows:
                     window.clear()
+                if gauge in self.streaks:
+                    self.streaks[gauge] = [0] * len(windows)
+
+
+def _streak(run: int, values: Sequence[Optional[float]], window: Sequence[float], above: float) -> int:
+    """``run`` carried on through ``values`` (oldest first): one more for each value above
+    ``above`` times the median of ``window``, back to 0 at any other (a missing or
+    non-finite value, or none while the window holds fewer than MIN_BASELINE values)."""
+    if len(window) < S.MIN_BASELINE:
+        return 0
+    bar = above * median(window)
+    for x in values:
+        run = run + 1 if x is not None and x > bar else 0
+    return run
 
 
 def fused_skip(values: Sequence[float], packet: StepPacket) -> bool:

@@ -182,9 +182,12 @@ def per_layer(folded: Iterable[Folded], cells: Mapping[str, List[List[int]]], na
 
 
 def totals(folded: Iterable[Folded], last: LastStep, divergence: DivergenceWatch) -> Dict[M.MetricSpec, float]:
-    """The model-level gauges measured so far: the statistics' totals, the loss and the
-    divergence watch's state."""
+    """The model-level gauges measured so far: the statistics' totals, the runs of steps
+    above a baseline, the loss and the divergence watch's state."""
+    folded = tuple(folded)
     out = {f.stat.total: f.total for f in folded if f.stat.total is not None and f.total is not None}
+    for f in folded:
+        out.update(f.longest_streaks())
     d = divergence
     out.update((spec, v) for spec, v in (
         (M.LOSS, last.loss), (M.LOSS_RUNNING_MIN, last.loss_running_min), (M.LOSS_TREND, d.trend.value),

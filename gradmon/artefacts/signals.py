@@ -46,10 +46,13 @@ def baseline_alerts(th: Thresholds, t: Timing) -> List[Alert]:
     return [
         Alert("GradmonGradNormAboveBaseline", "warning", "A layer's gradient norm far above its own baseline",
               f"Gradient norm of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of its own "
-              f"recent sampled steps ({WHERE}), above {th.norm_baseline_ratio:g}x for {dur(t.norm_ratio_for)}: "
-              "in unstable runs the embeddings and first blocks move first, steps before the loss spikes.",
-              f"max by ({TARGET}, layer) ({M.GRAD_NORM_BASELINE_RATIO.name}) > {th.norm_baseline_ratio:g}\nand {post}",
-              t.norm_ratio_for),
+              f"recent sampled steps ({WHERE}), and a layer has been above {th.norm_baseline_ratio:g}x for "
+              f"{th.norm_ratio_steps} sampled steps in a row or more (counted in the process: the same at any step "
+              "rate): in unstable runs the embeddings and first blocks move first, steps before the loss spikes.",
+              f"max by ({TARGET}, layer) ({M.GRAD_NORM_BASELINE_RATIO.name}) > {th.norm_baseline_ratio:g}\n"
+              f"and on({TARGET}) max by ({TARGET}) ({M.GRAD_NORM_ABOVE_BASELINE_STEPS.name}) >= {th.norm_ratio_steps}\n"
+              f"and {post}",
+              0),
         Alert("GradmonLocalGradNormAboveBaseline", "warning",
               "One rank's own gradient of a layer far above that layer's baseline",
               f"Rank {{{{ $labels.rank }}}}'s own gradient norm of layer {{{{ $labels.layer }}}} (before the all-reduce) "

@@ -344,6 +344,15 @@ def _above(name: str, limit: Callable[[Thresholds], float], what: str, warmup: b
     return hits
 
 
+def _sustained(name: str, steps: Callable[[Thresholds], int], hits: Callable[[Target, Sequence[Reading], Thresholds],
+                                                                          List[str]]):
+    """``hits`` where the gauge ``name`` (a run of steps counted in the process) has reached ``steps``."""
+    def sustained(t: Target, readings: Sequence[Reading], th: Thresholds) -> List[str]:
+        run = t.value(name)
+        return hits(t, readings, th) if run is not None and run >= steps(th) else []
+    return sustained
+
+
 def _increase(values: Sequence[float]) -> float:
     """What a counter gained over ``values``: a drop is a restart from 0, as in PromQL."""
     return sum(b - a if b >= a else b for a, b in zip(values, values[1:]))
@@ -423,8 +432,9 @@ CHECKS: Tuple[Check, ...] = (
     Check("GradmonActivationBlowup", lambda t, r, th: sorted(set(
         _above(M.ACTIVATION_ABS_MAX.name, lambda th: th.activation_abs_max, "max|x|")(t, r, th)
         + _above(M.ACTIVATION_ABS_MAX_WORST.name, lambda th: th.activation_abs_max, "max|x|")(t, r, th)))),
-    Check("GradmonGradNormAboveBaseline", _above(M.GRAD_NORM_BASELINE_RATIO.name, lambda th: th.norm_baseline_ratio,
-                                                 "norm / its baseline", warmup=True)),
+    Check("GradmonGradNormAboveBaseline", _sustained(
+        M.GRAD_NORM_ABOVE_BASELINE_STEPS.name, lambda th: th.norm_ratio_steps,
+        _above(M.GRAD_NORM_BASELINE_RATIO.name, lambda th: th.norm_baseline_ratio, "norm / its baseline", warmup=True))),
     Check("GradmonLocalGradNormAboveBaseline", _above(M.LOCAL_GRAD_NORM_RATIO_WORST.name,
                                                       lambda th: th.norm_baseline_ratio, "own norm / its baseline",
                                                       warmup=True)),
