@@ -228,3 +228,18 @@ def test_a_layer_jump_below_norm_jump_ratio_is_no_spike_however_quiet_the_layer(
     run.step(loss_scale=20.0)
     assert 3.0 < expected(run.norms, 10) < 50.0
     assert value(fresh(mon), M.exposed_names(M.SPIKE_STEPS)[0], signal=M.SIGNAL_LAYER_GRAD_NORM) == 0
+
+
+def test_steps_above_the_baseline_are_judged_in_bounded_memory_when_nothing_scrapes():
+    """A monitor whose gauges nobody reads still judges every step, holding at most
+    ARRIVED_MAX values a layer (a folded statistic driven directly: no snapshot in between)."""
+    from gradmon.aggregate.fold import ARRIVED_MAX, Folded
+    folded = Folded(S.GRAD, 1, {"norm_baseline": 10}, None)
+    gauge = next(g for g in S.GRAD.gauges if g.above is not None)
+    norm = S.GRAD.index("norm")
+    for i in range(10 * ARRIVED_MAX):
+        columns = [0.0] * len(S.GRAD.columns)
+        columns[norm] = (50.0 if i >= 10 * ARRIVED_MAX - 4 else 1.0 + 0.01 * (i % 7)) ** 2  # norms fold squared
+        folded.update_gauges({0: columns})
+        assert len(folded._arrived.get((gauge, 0), ())) < ARRIVED_MAX
+    assert folded.longest_streaks() == {M.GRAD_NORM_ABOVE_BASELINE_STEPS: 4}  # 4 of 10 leave the median calm

@@ -45,6 +45,11 @@ class Plan(NamedTuple):
     """Each layer's first record (None with ``inverse``)."""
 
 
+ARRIVED_MAX = 64
+"""Values of an ``above`` gauge that wait at most for the next snapshot's median: a monitor
+nobody scrapes judges them every this many, so that they never pile up."""
+
+
 class Folded:
     """One statistic's cumulative state in the aggregator."""
 
@@ -195,7 +200,11 @@ class Folded:
             window.append(x)  # a NaN step must not poison the baseline for a whole window
         self._unsettled[(gauge, layer)] = x
         if gauge.above is not None:
-            self._arrived.setdefault((gauge, layer), []).append(x)
+            arrived = self._arrived.setdefault((gauge, layer), [])
+            arrived.append(x)
+            if len(arrived) >= ARRIVED_MAX:  # no snapshot for a while (nothing scrapes): judge them now
+                self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], arrived, window, self._above[gauge])
+                arrived.clear()
 
     def settle(self) -> None:
         """The ratios to their baselines of the values given since the last call, into the
