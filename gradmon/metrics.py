@@ -213,6 +213,15 @@ RANK_NONFINITE = _spec("rank_nonfinite", "counter", ("tensor", "kind"),
                        doc="Non-finite elements this rank saw, all layers together (`tensor`: grad, grad_flow, "
                            "activation, local_grad); on every rank, at 0 from attach",
                        values=(("tensor", TENSOR_KINDS + (TENSOR_LOCAL_GRAD,)), ("kind", NONFINITE_KINDS)))
+LOCAL_GRAD_NORM_ABOVE_BASELINE_STEPS = _spec(
+    "local_grad_norm_above_baseline_steps", "gauge", (),
+    "Steps in a row, up to the last, in which this rank's own gradient norm of a layer (before the all-reduce) was "
+    "above norm_baseline_ratio (4) times that layer's baseline on this rank: the longest such run among layers; "
+    "0 when none is.",
+    doc="Steps in a row, up to the last, in which this rank's own gradient norm of a layer (before the "
+        "all-reduce) was above `norm_baseline_ratio` (4) times its baseline on the rank: the longest such run "
+        "among layers, counted in the process, so that `GradmonLocalGradNormAboveBaseline` holds for steps, not "
+        "minutes; on every rank with `local_view`; 0 when none is")
 ACTIVATION_ABS_MAX_WORST = _spec("activation_abs_max_worst", "gauge", ("layer",),
                                  "The largest max |x| of any layer's output on this rank at its last detail step, "
                                  "labelled with that layer (or with the layer that held the label while it is within "

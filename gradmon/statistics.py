@@ -383,6 +383,7 @@ LOCAL = Statistic(
     # one rank's data that the all-reduce averages away, named on that rank in one series
     gauges=(LayerGauge(M.LOCAL_GRAD_NORM, _norm),
             LayerGauge(M.LOCAL_GRAD_NORM_RATIO_WORST, _norm, baseline="norm_baseline", restarts=True,
+                       above=(lambda th: th.norm_baseline_ratio, M.LOCAL_GRAD_NORM_ABOVE_BASELINE_STEPS),
                        worst=M.LOCAL_GRAD_NORM_RATIO_WORST, worst_floor=2.0, per_layer=False)),
     counter=M.LOCAL_NONFINITE, rank_tensor=M.TENSOR_LOCAL_GRAD, origin=M.TENSOR_GRAD, total=M.LOCAL_GRAD_GLOBAL_NORM,
     spike=M.SIGNAL_LOCAL_GRAD_NORM)

@@ -47,13 +47,14 @@ class Thresholds:
     spike of a healthy run costs little warning time."""
     norm_baseline_ratio: float = 4.0
     """A layer's gradient norm this many times the median of its own last norm_baseline
-    sampled steps, sustained (``norm_ratio_for``), is the warning tier. Not 3: the small
+    sampled steps, sustained (``norm_ratio_steps``), is the warning tier. Not 3: the small
     LayerNorm layers of gradmon's own healthy demo reach 3.1x for a few dozen steps early
     in training."""
     norm_ratio_steps: int = 6
     """Sampled steps in a row a layer's gradient norm must stay above ``norm_baseline_ratio``
     times its baseline (``gradmon_grad_norm_above_baseline_steps``, counted in the process)
-    for ``GradmonGradNormAboveBaseline``: steps, not minutes, so the same at 1 and at 60 s a
+    for ``GradmonGradNormAboveBaseline`` (and a rank's own norm of a layer, before the
+    all-reduce, for ``GradmonLocalGradNormAboveBaseline``): steps, not minutes, so the same at 1 and at 60 s a
     step. Chosen on the alert corpus's tune split (docs/alert-evaluation.md): 2 steps let
     a healthy run's learning-phase jolts through, 12 left almost no early warning."""
     update_baseline_ratio: float = 10.0
@@ -94,7 +95,6 @@ class Timing:
     event_window: float = 120
     """Range that holds the last two scrapes (``idelta``: what moved since the previous
     scrape): at least twice the scrape interval, Prometheus' default 1m included."""
-    norm_ratio_for: float = 120
     update_ratio_for: float = 60
     fp16_for: float = 120
     lr_zero_for: float = 600

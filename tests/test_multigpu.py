@@ -139,6 +139,8 @@ def test_other_ranks_export_few_series_and_name_their_own_blow_up_and_nan_by_lay
              for r, s in enumerate(blowup)}
     assert ratio[1][0][1] > 10 and ratio[0][0][1] < 4, ratio
     assert ratio[1][0][0] in {"0", "2", "4"}
+    # both blown-up steps counted on rank 1 as a run above its baseline, none on rank 0
+    assert [value(s, "gradmon_local_grad_norm_above_baseline_steps") for s in blowup] == [0, 2]
     # a NaN in rank 1's data: counted there before the all-reduce, named by its origin layer
     n0, n1 = nan
     assert value(n1, "gradmon_rank_nonfinite_total", tensor="local_grad", kind="nan") > 0

@@ -56,11 +56,14 @@ def baseline_alerts(th: Thresholds, t: Timing) -> List[Alert]:
         Alert("GradmonLocalGradNormAboveBaseline", "warning",
               "One rank's own gradient of a layer far above that layer's baseline",
               f"Rank {{{{ $labels.rank }}}}'s own gradient norm of layer {{{{ $labels.layer }}}} (before the all-reduce) "
-              f"is {{{{ $value | humanize }}}}x that layer's median on this rank ({WHERE}), above "
-              f"{th.norm_baseline_ratio:g}x for {dur(t.norm_ratio_for)}: a blow-up in this rank's data that the "
-              f"average over ranks hides. {NEVER_SINGLE_RANK}",
-              f"max by ({TARGET}, layer) ({M.LOCAL_GRAD_NORM_RATIO_WORST.name}) > {th.norm_baseline_ratio:g}\nand {post}",
-              t.norm_ratio_for),
+              f"is {{{{ $value | humanize }}}}x that layer's median on this rank ({WHERE}), and a layer of this rank "
+              f"has been above {th.norm_baseline_ratio:g}x for {th.norm_ratio_steps} steps in a row or more (counted "
+              f"in the process: the same at any step rate): a blow-up in this rank's data that the average over ranks "
+              f"hides. {NEVER_SINGLE_RANK}",
+              f"max by ({TARGET}, layer) ({M.LOCAL_GRAD_NORM_RATIO_WORST.name}) > {th.norm_baseline_ratio:g}\n"
+              f"and on({TARGET}) max by ({TARGET}) ({M.LOCAL_GRAD_NORM_ABOVE_BASELINE_STEPS.name}) >= "
+              f"{th.norm_ratio_steps}\nand {post}",
+              0),
         Alert("GradmonUpdateRatioAboveBaseline", "warning", "A layer's updates far above their own baseline",
               f"Update-to-weight ratio of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of "
               f"its own recent readings ({WHERE}), above {th.update_baseline_ratio:g}x for {dur(t.update_ratio_for)}.",

@@ -435,9 +435,10 @@ CHECKS: Tuple[Check, ...] = (
     Check("GradmonGradNormAboveBaseline", _sustained(
         M.GRAD_NORM_ABOVE_BASELINE_STEPS.name, lambda th: th.norm_ratio_steps,
         _above(M.GRAD_NORM_BASELINE_RATIO.name, lambda th: th.norm_baseline_ratio, "norm / its baseline", warmup=True))),
-    Check("GradmonLocalGradNormAboveBaseline", _above(M.LOCAL_GRAD_NORM_RATIO_WORST.name,
-                                                      lambda th: th.norm_baseline_ratio, "own norm / its baseline",
-                                                      warmup=True)),
+    Check("GradmonLocalGradNormAboveBaseline", _sustained(
+        M.LOCAL_GRAD_NORM_ABOVE_BASELINE_STEPS.name, lambda th: th.norm_ratio_steps,
+        _above(M.LOCAL_GRAD_NORM_RATIO_WORST.name, lambda th: th.norm_baseline_ratio, "own norm / its baseline",
+               warmup=True))),
     Check("GradmonUpdateRatioAboveBaseline", _above(M.UPDATE_RATIO_BASELINE_RATIO.name,
                                                     lambda th: th.update_baseline_ratio, "update ratio / its baseline",
                                                     warmup=True)),
