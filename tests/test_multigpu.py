@@ -179,8 +179,9 @@ def test_gradmon_failing_on_one_rank_never_hangs_the_job(tmp_path):
     assert value(s0, "gradmon_hook_errors_total", stage="backward") == 0
 
 
-def test_one_prometheus_scrapes_both_ranks_and_a_diverging_rank_fires_the_rule(tmp_path):
+def test_one_prometheus_scrapes_both_ranks_and_a_diverging_rank_fires_the_rule(tmp_path, monkeypatch):
     from gradmon import alerting
+    monkeypatch.setenv("GRADMON_BASELINE_WARMUP", "5")  # the rules' warm-up below (the ranks inherit it)
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump(alerting.rule_groups(
         replace(alerting.Thresholds(), warmup_steps=5), alerting.PRODUCTION.scaled(alerting.TEST_SCALE))))

@@ -129,7 +129,7 @@ def test_the_series_budget_counts_what_one_layer_exports(attach, with_test_stati
     counter pair left out of the sum (or counted but never exported) fails here."""
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    mon = attach(model, detail_every=1, optimizer_every=1)
+    mon = attach(model, detail_every=1, optimizer_every=1, baseline_warmup=0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for _ in range(S.MIN_BASELINE):  # the baseline ratios exist from their 8th value
         model(torch.randn(16, 4)).square().sum().backward()
