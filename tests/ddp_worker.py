@@ -18,6 +18,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+def ready(path: Path, what: dict) -> None:
+    """``what`` as JSON at ``path``, whole or not at all: the test polls for the file and
+    reads it at once (a rename, not a write a loaded machine may show half done)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(what))
+    os.replace(tmp, path)
+
+
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -81,7 +89,7 @@ def run(rank: int, world: int, work: str, master_port: int, gradmon_port: int, p
             step += 1
             time.sleep(phase.get("delay", 0))
         mon.flush()
-        (work_dir / f"{phase['name']}.{rank}.ready").write_text(json.dumps({"url": mon.url, "step": step}))
+        ready(work_dir / f"{phase['name']}.{rank}.ready", {"url": mon.url, "step": step})
         wait_for(work_dir / f"{phase['name']}.go")
     mon.detach()
     dist.destroy_process_group()
@@ -133,8 +141,8 @@ def run_fsdp(rank: int, world: int, work: str, master_port: int, gradmon_port: i
         opt.step()
         opt.zero_grad(set_to_none=True)
     mon.flush()
-    (Path(work) / f"fsdp.{rank}.ready").write_text(json.dumps({"url": mon.url, "step": steps, "layers": mon.layers,
-                                                                "limits": mon.coverage().limits}))
+    ready(Path(work) / f"fsdp.{rank}.ready", {"url": mon.url, "step": steps, "layers": mon.layers,
+                                              "limits": mon.coverage().limits})
     wait_for(Path(work) / "fsdp.go")
     mon.detach()
     dist.destroy_process_group()
