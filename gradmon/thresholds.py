@@ -95,7 +95,6 @@ class Timing:
     event_window: float = 120
     """Range that holds the last two scrapes (``idelta``: what moved since the previous
     scrape): at least twice the scrape interval, Prometheus' default 1m included."""
-    update_ratio_for: float = 60
     fp16_for: float = 120
     lr_zero_for: float = 600
     guard_window: float = 600

@@ -300,9 +300,11 @@ CASES.update({
          series("gradmon_local_grad_norm_baseline_ratio_worst", "8x9 " + NOISE * 2 + "5x10", rank="3", layer="embed"),
          series("gradmon_local_grad_norm_above_baseline_steps", "8x9 0x15 5x10", rank="3")],
         [alert("GradmonLocalGradNormAboveBaseline", "9m"), alert("GradmonLocalGradNormAboveBaseline", "30m")]),
-    "updates_sustained_at_15x_their_own_baseline_warn": (
-        [steps(), layer("gradmon_update_ratio_baseline_ratio", "1x20 15x5", "blocks.0.attn")],
-        [alert("GradmonUpdateRatioAboveBaseline", "23m", ("warning", target(rank="0", layer="blocks.0.attn")))]),
+    "an_update_reading_at_15x_its_own_baseline_warns_until_the_next_reading": (
+        [steps(), layer("gradmon_update_ratio_baseline_ratio", "1x20 15 15 1x5", "blocks.0.attn")],
+        [alert("GradmonUpdateRatioAboveBaseline", "20m"),
+         alert("GradmonUpdateRatioAboveBaseline", "21m", ("warning", target(rank="0", layer="blocks.0.attn"))),
+         alert("GradmonUpdateRatioAboveBaseline", "23m")]),
     "no_update_alert_through_an_lr_warm_up_and_restart": (
         # a linear warm-up keeps the ratio near 2 (each reading over the median of its
         # smaller predecessors); the restart's jump empties the baseline: absent, then ~1

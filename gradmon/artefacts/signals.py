@@ -66,10 +66,14 @@ def baseline_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               0),
         Alert("GradmonUpdateRatioAboveBaseline", "warning", "A layer's updates far above their own baseline",
               f"Update-to-weight ratio of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of "
-              f"its own recent readings ({WHERE}), above {th.update_baseline_ratio:g}x for {dur(t.update_ratio_for)}.",
+              f"its own recent readings ({WHERE}) at its last reading, above {th.update_baseline_ratio:g}x (a reading "
+              "every optimizer_every steps, held until the next: it warns for steps, not minutes).",
+              # the gauge holds each reading optimizer_every steps, as Adam's RMS does: a
+              # reading between two scrapes is seen, and a `for:` in minutes would be a
+              # different number of readings at every step rate
               f"max by ({TARGET}, layer) ({M.UPDATE_RATIO_BASELINE_RATIO.name}) > {th.update_baseline_ratio:g}\n"
               f"and {post}",
-              t.update_ratio_for),
+              0),
     ]
 
 
