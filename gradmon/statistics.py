@@ -657,12 +657,16 @@ def merge_moments(acc: Sequence[float], n_acc: float, row: Sequence[float], n_ro
     return [mean_a + d * nb / n, 1.0, 0.0, m2, m3, m4]
 
 
-def relative(value: Optional[float], baseline: Sequence[float]) -> Optional[float]:
-    """``value`` over the median of ``baseline`` (None until MIN_BASELINE values). An
-    all-zero baseline makes 0 relative 1 (unchanged) and anything larger +Inf."""
-    if value is None or len(baseline) < MIN_BASELINE:
+def baseline_median(baseline: Sequence[float]) -> Optional[float]:
+    """The median of ``baseline``; None until it holds MIN_BASELINE values."""
+    return median(baseline) if len(baseline) >= MIN_BASELINE else None
+
+
+def relative(value: Optional[float], base: Optional[float]) -> Optional[float]:
+    """``value`` over a baseline's median ``base`` (:func:`baseline_median`; None: no
+    baseline yet). An all-zero baseline makes 0 relative 1 (unchanged) and anything larger +Inf."""
+    if value is None or base is None:
         return None
-    base = median(baseline)
     if base == 0.0:
         return 1.0 if value == 0.0 else math.nan if math.isnan(value) else math.inf
     return value / base

@@ -304,9 +304,9 @@ def test_abs_max_ratio_follows_the_median_of_the_layers_own_last_measurements(at
 
 
 def test_abs_max_ratio_of_an_all_zero_baseline():
-    assert S.relative(0.0, [0.0] * S.MIN_BASELINE) == 1.0
-    assert S.relative(3.0, [0.0] * S.MIN_BASELINE) == math.inf
-    assert S.relative(3.0, [1.0] * (S.MIN_BASELINE - 1)) is None
+    assert S.relative(0.0, S.baseline_median([0.0] * S.MIN_BASELINE)) == 1.0
+    assert S.relative(3.0, S.baseline_median([0.0] * S.MIN_BASELINE)) == math.inf
+    assert S.relative(3.0, S.baseline_median([1.0] * (S.MIN_BASELINE - 1))) is None
 
 
 # -- fp16 headroom ----------------------------------------------------------------------------

@@ -189,8 +189,8 @@ def test_baseline_ratios_settled_when_read_equal_those_settled_every_step(monkey
     every, late = (Folded(S.GRAD, 3, {"norm_baseline": 8}, slots=(0, 1, 2)) for _ in range(2))
     gauge = next(g for g in S.GRAD.gauges if g.baseline)
     medians = []
-    relative = S.relative
-    monkeypatch.setattr(S, "relative", lambda x, w: medians.append(1) or relative(x, w))
+    baseline_median = S.baseline_median
+    monkeypatch.setattr(S, "baseline_median", lambda w: medians.append(1) or baseline_median(w))
     seen = set()
     for step in range(80):
         acc = {layer: (rng.uniform(1, 2) if (step + layer) % 7 else math.nan, 0.0, 0.0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from statistics import median
 from typing import Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -203,7 +202,8 @@ class Folded:
             arrived = self._arrived.setdefault((gauge, layer), [])
             arrived.append(x)
             if len(arrived) >= ARRIVED_MAX:  # no snapshot for a while (nothing scrapes): judge them now
-                self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], arrived, window, self._above[gauge])
+                self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], arrived, S.baseline_median(window),
+                                                     self._above[gauge])
                 arrived.clear()
 
     def settle(self) -> None:
@@ -212,12 +212,12 @@ class Folded:
         ratio its own step would have had: a layer's window changes only with the layer's
         next value, which replaces the one waiting, and at a restart, which settles first."""
         for (gauge, layer), x in self._unsettled.items():
-            self.gauges[gauge][layer] = S.relative(x, self.history[gauge][layer])
+            base = S.baseline_median(self.history[gauge][layer])  # once for the ratio and the run
+            self.gauges[gauge][layer] = S.relative(x, base)
+            values = self._arrived.pop((gauge, layer), None)
+            if values is not None:
+                self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], values, base, self._above[gauge])
         self._unsettled.clear()
-        for (gauge, layer), values in self._arrived.items():
-            self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], values, self.history[gauge][layer],
-                                                 self._above[gauge])
-        self._arrived.clear()
 
     def longest_streaks(self) -> Dict[M.MetricSpec, int]:
         """Each ``above`` gauge's longest current run among layers (settled first)."""
@@ -252,13 +252,13 @@ class Folded:
                     self.streaks[gauge] = [0] * len(windows)
 
 
-def _streak(run: int, values: Sequence[Optional[float]], window: Sequence[float], above: float) -> int:
+def _streak(run: int, values: Sequence[Optional[float]], base: Optional[float], above: float) -> int:
     """``run`` carried on through ``values`` (oldest first): one more for each value above
-    ``above`` times the median of ``window``, back to 0 at any other (a missing or
-    non-finite value, or none while the window holds fewer than MIN_BASELINE values)."""
-    if len(window) < S.MIN_BASELINE:
+    ``above`` times the baseline's median ``base``, back to 0 at any other (a missing or
+    non-finite value, or any while there is no baseline yet: ``base`` None)."""
+    if base is None:
         return 0
-    bar = above * median(window)
+    bar = above * base
     for x in values:
         run = run + 1 if x is not None and x > bar else 0
     return run
