@@ -39,6 +39,15 @@ def loss_alerts(t: Timing) -> List[Alert]:
     ]
 
 
+def above_for_steps(ratio: M.MetricSpec, steps: M.MetricSpec, th: Thresholds) -> str:
+    """A layer's norm over its baseline above ``norm_baseline_ratio`` at the scrape, a layer
+    of the target above it for ``norm_ratio_steps`` steps in a row (``steps``, counted in the
+    process), past warm-up."""
+    return (f"max by ({TARGET}, layer) ({ratio.name}) > {th.norm_baseline_ratio:g}\n"
+            f"and on({TARGET}) max by ({TARGET}) ({steps.name}) >= {th.norm_ratio_steps}\n"
+            f"and on({TARGET}) {past_warmup(th)}")
+
+
 def baseline_alerts(th: Thresholds, t: Timing) -> List[Alert]:
     """A layer's norm, one rank's own norm of a layer, or a layer's updates, sustained far
     above the layer's own baseline."""
@@ -49,10 +58,7 @@ def baseline_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"recent sampled steps ({WHERE}), and a layer has been above {th.norm_baseline_ratio:g}x for "
               f"{th.norm_ratio_steps} sampled steps in a row or more (counted in the process: the same at any step "
               "rate): in unstable runs the embeddings and first blocks move first, steps before the loss spikes.",
-              f"max by ({TARGET}, layer) ({M.GRAD_NORM_BASELINE_RATIO.name}) > {th.norm_baseline_ratio:g}\n"
-              f"and on({TARGET}) max by ({TARGET}) ({M.GRAD_NORM_ABOVE_BASELINE_STEPS.name}) >= {th.norm_ratio_steps}\n"
-              f"and {post}",
-              0),
+              above_for_steps(M.GRAD_NORM_BASELINE_RATIO, M.GRAD_NORM_ABOVE_BASELINE_STEPS, th), 0),
         Alert("GradmonLocalGradNormAboveBaseline", "warning",
               "One rank's own gradient of a layer far above that layer's baseline",
               f"Rank {{{{ $labels.rank }}}}'s own gradient norm of layer {{{{ $labels.layer }}}} (before the all-reduce) "
@@ -60,10 +66,7 @@ def baseline_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"has been above {th.norm_baseline_ratio:g}x for {th.norm_ratio_steps} steps in a row or more (counted "
               f"in the process: the same at any step rate): a blow-up in this rank's data that the average over ranks "
               f"hides. {NEVER_SINGLE_RANK}",
-              f"max by ({TARGET}, layer) ({M.LOCAL_GRAD_NORM_RATIO_WORST.name}) > {th.norm_baseline_ratio:g}\n"
-              f"and on({TARGET}) max by ({TARGET}) ({M.LOCAL_GRAD_NORM_ABOVE_BASELINE_STEPS.name}) >= "
-              f"{th.norm_ratio_steps}\nand {post}",
-              0),
+              above_for_steps(M.LOCAL_GRAD_NORM_RATIO_WORST, M.LOCAL_GRAD_NORM_ABOVE_BASELINE_STEPS, th), 0),
         Alert("GradmonUpdateRatioAboveBaseline", "warning", "A layer's updates far above their own baseline",
               f"Update-to-weight ratio of layer {{{{ $labels.layer }}}} is {{{{ $value | humanize }}}}x the median of "
               f"its own recent readings ({WHERE}) at its last reading, above {th.update_baseline_ratio:g}x (a reading "
