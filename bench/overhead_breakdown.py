@@ -38,7 +38,7 @@ import torch
 import bench_overhead as bench
 
 RECORDER = ("on_param_grad", "_measure_grads", "on_optimizer_post", "end_step", "_close_step")
-FORWARD = ("on_forward", "on_block", "on_grad_flow", "on_root_forward")  # capture/forward.py's hooks
+FORWARD = ("on_forward", "on_block", "_waits", "_check_block", "on_grad_flow", "on_root_forward")  # capture/forward.py's hooks
 STATS = ("activation_record", "gradient_record", "moments_record", "moments_block", "param_grad_stats", "extremes")
 
 

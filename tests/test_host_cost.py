@@ -238,3 +238,83 @@ def test_a_settled_block_of_an_ordinary_step_costs_no_guard_object(monkeypatch):
             mon.detach()
 
     assert guards_of_an_ordinary_step(30) == guards_of_an_ordinary_step(6)
+
+
+def test_an_ordinary_step_asks_no_block_output_alone_whether_it_may_wait(monkeypatch):
+    """The deferred blocks' outputs are proved plain all at once at the end of the forward
+    (their stack), not by a Python call per block in the hooks."""
+    from gradmon.capture.records import BlockChecks
+
+    def plain_calls(blocks: int) -> int:
+        model = chain(blocks)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0)
+        calls = []
+        real = BlockChecks.plain
+        try:
+            for _ in range(3):
+                sgd_step(model, opt, model)
+            monkeypatch.setattr(BlockChecks, "plain", staticmethod(lambda t: calls.append(1) or real(t)))
+            sgd_step(model, opt, model)
+            monkeypatch.setattr(BlockChecks, "plain", staticmethod(real))
+            assert not mon._recorder.detail_now
+            return len(calls)
+        finally:
+            mon.detach()
+
+    assert plain_calls(30) == plain_calls(6)
+
+
+def _settled(checks, keys, like):
+    """``checks`` after one forward that probed ``keys`` with outputs like ``like``, unchanged."""
+    for key in keys:
+        assert checks.defer(key, like.clone()) is False  # probed: checked in its hook this time
+    assert checks.flush(checks.take(), []) == []
+    assert checks.settled == set(keys)
+
+
+def test_a_deferred_output_that_is_not_plain_is_checked_alone_and_its_block_no_longer_waits():
+    """A block deferred on earlier forwards whose output is now no plain tensor (here empty)
+    goes to its hook's own check at the end of the forward, with the root's output keys
+    that took the same tensor, and its block back to checking in its hook."""
+    from gradmon import statistics as S
+    from gradmon.capture.records import BlockChecks, _Records
+
+    checks = BlockChecks()
+    _settled(checks, (1, 2), torch.randn(4, 8))
+    full, empty = torch.randn(4, 8), torch.empty(0, 8)
+    assert checks.wait(1, full) and checks.wait(2, empty)
+    records = _Records(keyed=False)
+    alone = checks.flush(checks.take(), [(S.BLOCK_FINITE, records)], alias=(3,))
+    assert [(key, t is empty) for key, t in alone] == [(2, True), (3, True)]
+    records.commit()
+    assert records.keys() == [1]
+    assert checks.settled == {1}
+
+
+@pytest.mark.parametrize("case", ["mixed dtypes", "a NaN", "an Inf"])
+def test_outputs_checked_as_one_stack_give_each_output_its_own_extremes(case):
+    from gradmon.capture import kernels as K
+
+    torch.manual_seed(1)
+    outs = [torch.randn(4, 8) for _ in range(5)]
+    if case == "mixed dtypes":
+        outs[2] = outs[2].half()
+    else:
+        outs[3][1, 2] = math.nan if case == "a NaN" else -math.inf
+    stacked = K.stack_alike(outs)
+    assert stacked is not None
+    lo, hi, order = K.extremes_many(outs, torch.device("cpu"), stacked=stacked)
+    for j, i in enumerate(order):
+        want = K.extremes(outs[i].float())
+        assert torch.equal(lo[j, 0], want[0].float()) or (lo[j, 0].isnan() and want[0].isnan())
+        assert torch.equal(hi[j, 0], want[1].float()) or (hi[j, 0].isnan() and want[1].isnan())
+
+
+def test_outputs_of_several_shapes_or_no_values_are_not_stacked():
+    from gradmon.capture import kernels as K
+
+    assert K.stack_alike([torch.randn(4, 8), torch.randn(4, 7)]) is None
+    assert K.stack_alike([torch.empty(0, 8), torch.empty(0, 8)]) is None
+    assert K.stack_alike([torch.ones(4, 8, dtype=torch.int64)] * 2) is None
+    assert K.stack_alike([torch.randn(4, 8)]) is None  # one output: nothing to batch

@@ -40,6 +40,10 @@ def _recomputed_twice() -> bool:
     return node is not None and type(node).__name__ != "CheckpointFunctionBackward"
 
 
+WAIT_TIMED = 8
+"""One block in this many (by key) times its ordinary-step path for gradmon_overhead_seconds_total."""
+
+
 class Forward:
     """The forward hooks' entry points (``on_*``) and what they keep from one call to the
     next: whether the root's forward is running, whether this step reads the layers
@@ -151,7 +155,9 @@ class Forward:
             if self._traced_forward(module):
                 self.traced.record(module, traced.BLOCK, output)
             return
-        self.on_block(self.keys[id(module)], None, module, inputs, output)
+        key = self.keys[id(module)]
+        if not self._waits(key, module, output):
+            self._check_block(key, module, output)
 
     def layer_block_hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
         """The forward hook of a top-level block that is also a layer."""
@@ -178,27 +184,31 @@ class Forward:
         outside the root's forward, its output marks the start of the backward."""
         if layer is not None:
             self.on_forward(layer, module, inputs, output)
+        if not self._waits(block, module, output):
+            self._check_block(block, module, output)
+
+    def _waits(self, block: int, module: nn.Module, output: Any) -> bool:
+        """The ordinary step's path of a block already deferred, inside the root's training
+        forward: its output joins the end-of-forward check (``BlockChecks.wait``). Run for
+        every block of every forward, so with no guard object (a few attribute reads and an
+        append, which cannot fail on a torch.Tensor) and on gradmon's clock one block in
+        ``WAIT_TIMED`` (a clock read costs about as much as the rest), scaled."""
+        timed = not block % WAIT_TIMED
+        t0 = perf_counter() if timed else 0.0
+        waits = (self._deferring and type(output) is torch.Tensor and module.training and torch.is_grad_enabled()
+                 and self._rec.blocks.wait(block, output))
+        if timed:
+            self._guard.seconds += WAIT_TIMED * (perf_counter() - t0)
+        return waits
+
+    def _check_block(self, block: int, module: nn.Module, output: Any) -> None:
         self.ran = True
-        if self._deferring and module.training and torch.is_grad_enabled() and self._waits(block, output):
-            return
         with self._guard("forward"):
             if self._training_forward(module):
                 if not (self._defer_blocks and self._rec.blocks.defer(block, output)):
                     self._rec.record_values(S.BLOCK, block, output)
                 if not self._in_root:
                     self._watch_backward(output)
-
-    def _waits(self, block: int, output: Any) -> bool:
-        """The ordinary step's path of a block inside the root's training forward, run once
-        per block: its output joins the end-of-forward check (``BlockChecks.wait``), timed
-        without a guard object (a failure here leaves it to the guarded path, which counts it)."""
-        t0 = perf_counter()
-        try:
-            return self._rec.blocks.wait(block, output)
-        except Exception:  # noqa: BLE001 - the guarded path checks it again and counts what fails
-            return False
-        finally:
-            self._guard.seconds += perf_counter() - t0
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
         self.ran = True

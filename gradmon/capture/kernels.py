@@ -16,7 +16,7 @@ import itertools
 import math
 import operator
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -384,8 +384,10 @@ def _grouped_rows(tensors: Sequence[torch.Tensor], home: torch.device,
     blocks: List[torch.Tensor] = []
     order: List[int] = []
     for (_device, dtype, small), idx in _groups(tensors, numels).items():
-        group = [tensors[i] for i in idx]
-        blocks.append(columns(group, _norms(group, dtype, small), ship, small).to(home, non_blocking=True))
+        whole = len(idx) == len(tensors)  # one group: the common case, read without copies
+        group = tensors if whole else [tensors[i] for i in idx]
+        norms = _norms(group, dtype, small, tuple(numels) if whole else tuple(map(numels.__getitem__, idx)))
+        blocks.append(columns(group, norms, ship, small).to(home, non_blocking=True))
         order.extend(idx)
     rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return rows, tuple(order)
@@ -416,7 +418,6 @@ def _group_counts(group: Sequence[torch.Tensor], ship: torch.dtype, small: bool)
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _IS_CUDA = operator.attrgetter("is_cuda")
 _DTYPE = operator.attrgetter("dtype")
-_SIZE = operator.attrgetter("shape")
 
 
 def _groups(tensors: Sequence[torch.Tensor], numels: Sequence[int]
@@ -425,9 +426,10 @@ def _groups(tensors: Sequence[torch.Tensor], numels: Sequence[int]
     tensor (below ``_DOT_MIN`` elements) costs less to copy than to launch a kernel for. Read
     with C-level maps (a model's thousands of gradients all share one device and dtype),
     not a Python loop of attribute reads per tensor."""
-    # a device index and the CUDA flag: reading ``.device`` builds an object per tensor
-    kinds = set(zip(map(torch.Tensor.get_device, tensors), map(_IS_CUDA, tensors), map(_DTYPE, tensors)))
-    if len(kinds) == 1:
+    # a device index and the CUDA flag: reading ``.device`` builds an object per tensor; a
+    # CPU tensor's index is -1, which no accelerator's is, so CPU tensors need no flag
+    indices, dtypes = set(map(torch.Tensor.get_device, tensors)), set(map(_DTYPE, tensors))
+    if len(dtypes) == 1 and (indices == {-1} or (len(indices) == 1 and len(set(map(_IS_CUDA, tensors))) == 1)):
         device, dtype = tensors[0].device, tensors[0].dtype
         small = [i for i, n in enumerate(numels) if n < _DOT_MIN]
         if len(small) == len(numels):
@@ -440,7 +442,8 @@ def _groups(tensors: Sequence[torch.Tensor], numels: Sequence[int]
     return groups
 
 
-def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool) -> torch.Tensor:
+def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool,
+           numels: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
     """L2 norms of tensors of one device and ``dtype``, stacked: one multi-tensor kernel,
     except on the CPU, where ``_foreach_norm`` is a loop over ``vector_norm`` (a dispatch
     per tensor, the whole cost of a small one): there the small float32/float64 ones are
@@ -451,7 +454,7 @@ def _norms(group: Sequence[torch.Tensor], dtype: torch.dtype, small: bool) -> to
     if group[0].device.type != "cpu" or low is not None:
         return torch.stack(torch._foreach_norm(group, 2, dtype=low))
     if small:
-        return _segment_norms(group)
+        return _segment_norms(group, numels)
     if all(map(_takes_dot, group)):  # one root for the group, not a root kernel per tensor
         return torch.stack([_dot(g) for g in group]).sqrt_()
     return torch.stack([_l2(g) for g in group])
@@ -483,13 +486,14 @@ def _segment_counts(group: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.
                         for mask in (torch.isnan(flat), torch.isinf(flat))], dim=1)
 
 
-def _segment_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
+def _segment_norms(group: Sequence[torch.Tensor], numels: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
     """L2 norms of small float32/float64 tensors: squared in their own dtype, so that they
     overflow as :func:`_l2` and vector_norm do (a finite norm proves a tensor finite, and
     a float32 norm past float32's range is Inf whichever path took it), summed in float64.
     Many tensors of a few sizes (a deep stack's weights and biases) are stacked by size
-    (:func:`_size_plan`), with no view made per tensor as the flat copy makes one."""
-    numels = tuple(map(torch.Tensor.numel, group))
+    (:func:`_size_plan`), with no view made per tensor as the flat copy makes one. ``numels``:
+    the tensors' sizes, in order, where the caller has them."""
+    numels = numels if numels is not None else tuple(map(torch.Tensor.numel, group))
     plan = _size_plan(numels) if len(group) >= SIZE_PLAN_MIN else None
     if plan is not None and plan.stackable:
         try:
@@ -541,8 +545,8 @@ def _size_plan(numels: Tuple[int, ...]) -> Optional[_SizePlan]:
 
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
 def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int] = None,
-                  rows: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]] = None
-                  ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+                  rows: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]] = None,
+                  stacked: Union[torch.Tensor, bool] = True) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
     """(lo, hi, order): the min and max of each of ``tensors`` as two (n, 1) columns on
     ``home`` in the ship dtype, row j describing ``tensors[order[j]]``. The check of many
     small outputs at once (the top-level blocks of a forward): those of one device and
@@ -559,11 +563,15 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
     (n, 2) block per group, shared, so that no kernel is launched per tensor, and one
     entry, so that no Python object is made per tensor: a model of thousands of blocks
     would keep thousands alive for the incident recorder's steps, and the collector
-    would walk them)."""
+    would walk them).
+
+    ``stacked``: :func:`stack_alike` of ``tensors``, where the caller made it (False: it
+    gave None; True: not asked yet)."""
+    if stacked is True:
+        stacked = stack_alike(tensors)
+    if isinstance(stacked, torch.Tensor):
+        return _extremes_stacked(stacked, home, batch, rows)
     groups = _groups(tensors, list(map(torch.Tensor.numel, tensors)))
-    if (len(groups) == 1 and next(iter(groups))[2] and len(tensors) > 1 and tensors[0].device.type == "cpu"
-            and tensors[0].numel() > 0 and len(set(map(_SIZE, tensors))) == 1):
-        return _extremes_stacked(tensors, home, batch, rows)
     ship = _ship_dtype(home)
     los: List[torch.Tensor] = []
     his: List[torch.Tensor] = []
@@ -593,18 +601,33 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
     return lo.unsqueeze(1), hi.unsqueeze(1), tuple(order)
 
 
-def _extremes_stacked(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int],
+def stack_alike(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Two or more small CPU tensors of one shape, with values, stacked, where the stack is a
+    dense floating-point tensor (mixed floating dtypes stack to the widest, which holds every
+    value of the others exactly); else None. The stack checks shape and device itself, in
+    C++, where asking each tensor took a pass of attribute reads apiece."""
+    if len(tensors) < 2 or tensors[0].device.type != "cpu" or not 0 < tensors[0].numel() < _DOT_MIN:
+        return None
+    try:
+        with torch.no_grad():  # read, never differentiated
+            x = torch.stack(tensors)
+    except RuntimeError:  # shapes or devices differ
+        return None
+    return (x if x.device.type == "cpu" and x.dtype.is_floating_point and x.layout == torch.strided
+            and not x.is_meta else None)
+
+
+def _extremes_stacked(x: torch.Tensor, home: torch.device, batch: Optional[int],
                       rows: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]]
                       ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
-    """:func:`extremes_many` of small CPU tensors of one dtype and shape (the blocks of a
-    residual stream): one stack, reduced along its rows, with no per-tensor view in the
-    copy that :func:`_flat` makes (a few times faster at a thousand outputs); by batch row
-    where each is split, in the block layout :func:`_by_rows` gives."""
-    n = len(tensors)
-    x = torch.stack(tensors)
+    """:func:`extremes_many` of small CPU tensors of one shape (the blocks of a residual
+    stream), stacked in ``x``: reduced along its rows, with no per-tensor view in the copy
+    that :func:`_flat` makes (a few times faster at a thousand outputs); by batch row where
+    each is split, in the block layout :func:`_by_rows` gives."""
+    n = x.shape[0]
     if x.dtype in _LOW_PRECISION:
         x = x.float()  # every fp16/bf16 value is exact in float32
-    if rows is not None and has_rows(tensors[0], batch):
+    if rows is not None and batch is not None and x.dim() > 1 and x.shape[1] == batch:
         by_row = x.view(n, batch, -1)
         lo_rows, hi_rows = by_row.amin(dim=2), by_row.amax(dim=2)
         rows.append((tuple(range(n)), torch.stack((lo_rows, hi_rows), dim=2).view(n * batch, 2),

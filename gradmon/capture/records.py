@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from functools import partial
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -173,7 +174,12 @@ class BlockChecks:
     read a value the block never returned: a block is deferred only once one forward
     showed its output unchanged at the end (until then its hook checks it at once), and a
     deferred output found changed loses that record and goes back to being checked in its
-    hook. Holds no tensor between forwards."""
+    hook. Holds no tensor between forwards.
+
+    The hook of a block already deferred keeps its output after two cheap tests
+    (:meth:`wait`); whether it is a plain tensor (:meth:`plain`) is asked at the end of
+    the forward, of all of them at once, and one that is not is checked alone then, as its
+    hook would have, and goes back to its hook's check."""
 
     __slots__ = ("waiting", "probing", "settled")
 
@@ -200,10 +206,11 @@ class BlockChecks:
         self.probing.append((key, t, t._version))
         return False
 
-    def wait(self, key: int, t: Any) -> bool:
-        """:meth:`defer` of a block already known to stay unchanged; False where
-        :meth:`defer` must decide."""
-        if key in self.settled and self.plain(t):
+    def wait(self, key: int, t: torch.Tensor) -> bool:
+        """Keep ``t`` (a torch.Tensor) of a block already known to stay unchanged, unless it
+        is too large to hold until the end of the forward; False where :meth:`defer` must
+        decide."""
+        if key in self.settled and t.numel() <= DEFER_MAX:
             self.waiting.append((key, t, t._version))
             return True
         return False
@@ -214,30 +221,52 @@ class BlockChecks:
     def drop(self) -> None:
         self.waiting, self.probing = [], []
 
-    def flush(self, into: Sequence[Tuple[Statistic, "_Records"]], alias: Sequence[int] = (),
-              rows: Optional["BatchRows"] = None) -> None:
-        """Check the waiting outputs: one batch of rows per statistic (``record_many``) into
-        its records; ``alias`` are more keys whose record is the last waiting output's (the
-        root's output, when it is the last block's, unchanged). ``BLOCK_FINITE`` checks
-        them by batch row, into ``rows``, where the batch is known."""
+    def take(self) -> List[Tuple[int, torch.Tensor, int]]:
+        """The waiting outputs to check now, those found changed since their block returned
+        left out (their blocks go back to their hooks' checks); learns which probed blocks
+        may wait from now on. Nothing is held after."""
         waiting, probing = self.waiting, self.probing
         self.drop()
         for key, t, version in probing:
             if t._version == version:
                 self.settled.add(key)
-        kept = [entry for entry in waiting if entry[1]._version == entry[2]]
-        if len(kept) < len(waiting):
+        if waiting and list(map(_VERSION, (entry[1] for entry in waiting))) != [entry[2] for entry in waiting]:
             self.settled.difference_update(key for key, t, version in waiting if t._version != version)
-        if not kept:
-            return
-        alias = alias if waiting[-1][1]._version == waiting[-1][2] else ()
-        tensors = [entry[1] for entry in kept]
-        every_key = [entry[0] for entry in kept]
-        every_numel = list(map(torch.Tensor.numel, tensors))
+            waiting = [entry for entry in waiting if entry[1]._version == entry[2]]
+        return waiting
+
+    def flush(self, waiting: Sequence[Tuple[int, torch.Tensor, int]], into: Sequence[Tuple[Statistic, "_Records"]],
+              alias: Sequence[int] = (), rows: Optional["BatchRows"] = None) -> List[Tuple[int, torch.Tensor]]:
+        """Check the ``waiting`` outputs (:meth:`take`): one batch of rows per statistic
+        (``record_many``) into its records; ``alias`` are more keys whose record is the last
+        waiting output's (the root's output, when it is the last block's, unchanged).
+        ``BLOCK_FINITE`` checks them by batch row, into ``rows``, where the batch is known.
+        Returns the (key, output) to be checked one by one instead, as their hooks would
+        have: outputs that are no :meth:`plain` tensor (known here, where they are asked
+        all at once; their blocks go back to their hooks' checks)."""
+        if not waiting:
+            return []
+        tensors = [entry[1] for entry in waiting]
+        stacked = stats.stack_alike(tensors)  # proves them plain, all at once
+        alone: List[Tuple[int, torch.Tensor]] = []
+        if stacked is None and not _all_plain(tensors):
+            alone = [(key, t) for key, t, _ in waiting if not self.plain(t)]
+            self.settled.difference_update(key for key, _ in alone)
+            if alone[-1][1] is waiting[-1][1]:
+                alone += [(key, alone[-1][1]) for key in alias]
+                alias = ()
+            waiting = [entry for entry in waiting if self.plain(entry[1])]
+            tensors = [entry[1] for entry in waiting]
+            if not waiting:
+                return alone
+        every_key = [entry[0] for entry in waiting]
+        every_numel = ([tensors[0].numel()] * len(tensors) if stacked is not None
+                       else list(map(torch.Tensor.numel, tensors)))
         for st, records in into:
             if st is S.BLOCK_FINITE and rows is not None and rows.size is not None:
                 per_row: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]] = []
-                *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row)
+                *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row,
+                                                    stacked if stacked is not None else False)
                 rows.pending.extend((tuple(map(every_key.__getitem__, idx)), block, starts, rows.size)
                                     for idx, block, starts in per_row)
             else:
@@ -245,11 +274,29 @@ class BlockChecks:
             keys = list(map(every_key.__getitem__, order))
             numels = list(map(every_numel.__getitem__, order))
             if alias:
-                at = order.index(len(kept) - 1)
+                at = order.index(len(waiting) - 1)
                 keys += alias
                 numels += [numels[at]] * len(alias)
                 parts = [torch.cat((part, part[at:at + 1].expand(len(alias), -1))) for part in parts]
             records.add_rows(keys, numels, parts)
+        return alone
+
+
+_VERSION = operator.attrgetter("_version")
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
+_IS_META = operator.attrgetter("is_meta")
+_IS_NESTED = operator.attrgetter("is_nested")
+_FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def _all_plain(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every one of ``tensors`` (torch.Tensors no larger than ``DEFER_MAX``) is
+    :meth:`BlockChecks.plain`: a few C-level passes over all of them, where asking each
+    in its hook cost a Python call apiece."""
+    return (set(map(_DTYPE, tensors)) <= _FLOATING and set(map(_LAYOUT, tensors)) == {torch.strided}
+            and not any(map(_IS_META, tensors)) and not any(map(_IS_NESTED, tensors))
+            and 0 not in map(torch.Tensor.numel, tensors))
 
 
 ROW_TABLE = 32
@@ -449,7 +496,13 @@ class StepRecords:
     def flush_blocks(self, alias: Sequence[int] = ()) -> None:
         """The waiting block checks, made now (``BlockChecks.flush``); a failure is counted."""
         try:
-            self.blocks.flush([(st, self.by_name[st.name]) for st in self._at.get(S.BLOCK, ())], alias, self.rows)
+            last = self.blocks.last()
+            waiting = self.blocks.take()
+            if not waiting or waiting[-1] is not last:  # the root's output changed since: no record takes it
+                alias = ()
+            into = [(st, self.by_name[st.name]) for st in self._at.get(S.BLOCK, ())]
+            for key, t in self.blocks.flush(waiting, into, alias, self.rows):
+                self.record_values(S.BLOCK, key, t)
         except Exception as exc:
             self._errors.record("forward", exc)
         self.rows.finish()  # before anything commits a record that views a table
