@@ -191,8 +191,9 @@ class BlockChecks:
     @staticmethod
     def plain(t: Any) -> bool:
         """A tensor whose check may wait: a small dense floating-point torch.Tensor with values."""
-        return (type(t) is torch.Tensor and t.is_floating_point() and t.layout == torch.strided
-                and not t.is_meta and not t.is_nested and 0 < t.numel() <= DEFER_MAX)
+        # the size first: a large output (an accelerator's, checked in its hook) is told by it
+        return (type(t) is torch.Tensor and not t.is_nested and 0 < t.numel() <= DEFER_MAX
+                and t.is_floating_point() and t.layout == torch.strided and not t.is_meta)
 
     def defer(self, key: int, t: Any) -> bool:
         """Keep ``t`` for the end of the forward; False when its hook must check it now: it
@@ -352,8 +353,9 @@ class BatchRows:
 
     def __init__(self, hashing: bool = False) -> None:
         self.size: Optional[int] = None  # rows of this forward's batch
-        # inside a root forward on an accelerator: its RowTables by (device, dtype), and the filled ones
-        self.tables: Optional[Dict[Tuple[torch.device, torch.dtype], RowTable]] = None
+        # inside a root forward on an accelerator: its RowTables by (CUDA or not, device index, dtype),
+        # and the filled ones
+        self.tables: Optional[Dict[Tuple[bool, int, torch.dtype], RowTable]] = None
         self.filled: List[RowTable] = []
         # (block keys, block, starts, size): block[start:start + size] is the [min, max] of each
         # row of the output of each key, start
@@ -375,10 +377,10 @@ class BatchRows:
         (min, max) for its record, its rows kept for the packet. Inside a root forward on
         an accelerator, in a :class:`RowTable` (a plain tensor: a subclass such as a
         DTensor cannot write into the table's slots); elsewhere :func:`stats.finite_check`."""
-        if self.tables is None or t.device.type == "cpu" or type(t) is not torch.Tensor:
+        if self.tables is None or t.is_cpu or type(t) is not torch.Tensor:
             lo, hi, rows = stats.finite_check(t, self.size)
         else:
-            where = (t.device, t.dtype)
+            where = (t.is_cuda, t.get_device(), t.dtype)  # no device object made per call
             table = self.tables.get(where)
             if table is None or table.full():
                 if table is not None:
