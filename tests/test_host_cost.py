@@ -318,3 +318,41 @@ def test_outputs_of_several_shapes_or_no_values_are_not_stacked():
     assert K.stack_alike([torch.empty(0, 8), torch.empty(0, 8)]) is None
     assert K.stack_alike([torch.ones(4, 8, dtype=torch.int64)] * 2) is None
     assert K.stack_alike([torch.randn(4, 8)]) is None  # one output: nothing to batch
+
+
+class TurnsToInference(nn.Module):
+    """Returns its input until ``inference`` is set, then a tensor made under inference_mode,
+    which has no version counter to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inference = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inference:
+            with torch.inference_mode():
+                return torch.ones(4, 8)
+        return x * 1.0
+
+
+class Shift(nn.Module):
+    """Adds a parameter: an add saves neither input, so an inference tensor may come in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shift
+
+
+def test_a_deferred_block_whose_output_has_no_version_counter_never_raises_into_the_forward(attach):
+    """The lean path reads the output's version counter with no guard object around it: an
+    inference tensor (which has none) must fall to the guarded path, never raise."""
+    model = nn.Sequential(nn.Linear(8, 8), TurnsToInference(), Shift())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model)
+    for step in range(6):
+        model[1].inference = step >= 3  # blocks settled by then: their outputs wait
+        sgd_step(model, opt, model)
+    assert mon._recorder.steps == 6

@@ -190,13 +190,16 @@ class Forward:
     def _waits(self, block: int, module: nn.Module, output: Any) -> bool:
         """The ordinary step's path of a block already deferred, inside the root's training
         forward: its output joins the end-of-forward check (``BlockChecks.wait``). Run for
-        every block of every forward, so with no guard object (a few attribute reads and an
-        append, which cannot fail on a torch.Tensor) and on gradmon's clock one block in
-        ``WAIT_TIMED`` (a clock read costs about as much as the rest), scaled."""
+        every block of every forward, so with no guard object (a failure leaves the output to
+        the guarded path, which checks it again and counts what fails) and on gradmon's clock
+        one block in ``WAIT_TIMED`` (a clock read costs about as much as the rest), scaled."""
         timed = not block % WAIT_TIMED
         t0 = perf_counter() if timed else 0.0
-        waits = (self._deferring and type(output) is torch.Tensor and module.training and torch.is_grad_enabled()
-                 and self._rec.blocks.wait(block, output))
+        try:
+            waits = (self._deferring and type(output) is torch.Tensor and module.training
+                     and torch.is_grad_enabled() and self._rec.blocks.wait(block, output))
+        except Exception:  # noqa: BLE001 - an inference tensor has no version counter, say
+            waits = False
         if timed:
             self._guard.seconds += WAIT_TIMED * (perf_counter() - t0)
         return waits
