@@ -231,7 +231,7 @@ class BlockChecks:
         for key, t, version in probing:
             if t._version == version:
                 self.settled.add(key)
-        if waiting and list(map(_VERSION, (entry[1] for entry in waiting))) != [entry[2] for entry in waiting]:
+        if waiting and list(map(_VERSION, map(_OUTPUT, waiting))) != list(map(_VERSION_THEN, waiting)):
             self.settled.difference_update(key for key, t, version in waiting if t._version != version)
             waiting = [entry for entry in waiting if entry[1]._version == entry[2]]
         return waiting
@@ -247,7 +247,7 @@ class BlockChecks:
         all at once; their blocks go back to their hooks' checks)."""
         if not waiting:
             return []
-        tensors = [entry[1] for entry in waiting]
+        tensors = list(map(_OUTPUT, waiting))
         stacked = stats.stack_alike(tensors)  # proves them plain, all at once
         alone: List[Tuple[int, torch.Tensor]] = []
         if stacked is None and not _all_plain(tensors):
@@ -257,7 +257,7 @@ class BlockChecks:
                 alone += [(key, alone[-1][1]) for key in alias]
                 alias = ()
             waiting = [entry for entry in waiting if self.plain(entry[1])]
-            tensors = [entry[1] for entry in waiting]
+            tensors = list(map(_OUTPUT, waiting))
             if not waiting:
                 return alone
         every_key = [entry[0] for entry in waiting]
@@ -283,6 +283,7 @@ class BlockChecks:
         return alone
 
 
+_OUTPUT, _VERSION_THEN = operator.itemgetter(1), operator.itemgetter(2)  # of a waiting entry
 _VERSION = operator.attrgetter("_version")
 _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
