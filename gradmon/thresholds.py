@@ -55,8 +55,9 @@ class Thresholds:
     times its baseline (``gradmon_grad_norm_above_baseline_steps``, counted in the process)
     for ``GradmonGradNormAboveBaseline`` (and a rank's own norm of a layer, before the
     all-reduce, for ``GradmonLocalGradNormAboveBaseline``): steps, not minutes, so the
-    same at 1 and at 60 s a step. Chosen on the alert corpus's tune split (docs/alert-evaluation.md): 2 steps let
-    a healthy run's learning-phase jolts through, 12 left almost no early warning."""
+    same at 1 and at 60 s a step. Chosen on the alert corpus's tune split
+    (docs/alert-evaluation.md): 2 steps let a healthy run's learning-phase jolts through, 12
+    left almost no early warning."""
     update_baseline_ratio: float = 10.0
     """A layer's update-to-weight ratio this many times its own baseline (its median of
     the last update_baseline readings): the layer moves an order of magnitude faster

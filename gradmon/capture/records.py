@@ -251,12 +251,13 @@ class BlockChecks:
         stacked = stats.stack_alike(tensors)  # proves them plain, all at once
         alone: List[Tuple[int, torch.Tensor]] = []
         if stacked is None and not _all_plain(tensors):
-            alone = [(key, t) for key, t, _ in waiting if not self.plain(t)]
+            plain = list(map(self.plain, tensors))
+            alone = [(key, t) for (key, t, _), ok in zip(waiting, plain) if not ok]
             self.settled.difference_update(key for key, _ in alone)
-            if alone[-1][1] is waiting[-1][1]:
-                alone += [(key, alone[-1][1]) for key in alias]
+            if not plain[-1]:  # the root's output went alone: so do the keys that take its record
+                alone += [(key, tensors[-1]) for key in alias]
                 alias = ()
-            waiting = [entry for entry in waiting if self.plain(entry[1])]
+            waiting = [entry for entry, ok in zip(waiting, plain) if ok]
             tensors = list(map(_OUTPUT, waiting))
             if not waiting:
                 return alone
