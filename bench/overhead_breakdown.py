@@ -60,11 +60,12 @@ def _cpu_seconds(threads: List[threading.Thread]) -> float:
 
 
 def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = False,
-              profile: int = 0) -> Dict[str, float]:
+              profile: int = 0, dump: Optional[str] = None) -> Dict[str, float]:
     """ms per step of each timed function, ``host`` and ``publisher``, for gradmon attached
     with ``options``; ``cpu``: timed with the training thread's CPU clock. ``profile``:
     print the ``profile`` functions of the monitored copy's steps (and flushes) that
-    cProfile finds costliest in their own time, instead of timing hook by hook."""
+    cProfile finds costliest in their own time, instead of timing hook by hook; ``dump``:
+    also write the steps' profile there (``pstats``), to be read where it was not made."""
     import gradmon
     from gradmon.capture import forward, guard, hooks, optimizer, writer
     from gradmon.capture import kernels as stats
@@ -130,6 +131,8 @@ def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = 
                 stats_.sort_stats("tottime").print_stats(profile)
                 stats_.sort_stats("cumulative").print_stats("gradmon/", profile)
             print(text.getvalue())
+            if dump:
+                profiler.dump_stats(dump)
         return out
     finally:
         monitor.detach()
@@ -149,6 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="instead of timing hook by hook, print the N costliest functions (own time) of the "
                         "monitored copy's steps under cProfile: where the host time goes, torch calls included")
+    p.add_argument("--dump", metavar="FILE", help="with --profile: write the steps' profile to FILE (pstats)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (as bench_overhead.py)")
     p.add_argument("--size", choices=sorted(bench.SIZES), default="reference")
     p.add_argument("--bf16", action="store_true", help="train under bf16 autocast")
@@ -157,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench.SETUP.update(size=a.size, device=a.device, bf16=a.bf16, fused=a.fused)
     torch.set_num_threads(a.threads)
     options = dict(bench._option(kv) for kv in a.options)
-    result = breakdown(options, a.steps, a.discard, a.cpu, a.profile)
+    result = breakdown(options, a.steps, a.discard, a.cpu, a.profile, a.dump)
     clock = "training thread's CPU" if a.cpu else "wall"
     print(f"gradmon {options}, {a.steps} steps, {a.threads} threads, ms per step of {clock} time "
           f"(nested entries included in their callers; publisher: its thread's CPU time):")
