@@ -517,11 +517,13 @@ def test_a_row_table_checks_each_output_by_row_in_one_kernel_and_all_their_extre
 
 @needs_cuda
 @pytest.mark.cuda
-def test_on_cuda_an_ordinary_forward_checks_each_block_output_in_one_kernel(attach):
-    """One aminmax per block output too large to wait for the end of the forward (the
-    input and four blocks; the root returns the last one's), and one amin and one amax for
-    all of them when the forward ends, where each output took an aminmax, a min, a max
-    and a stack."""
+def test_on_cuda_an_ordinary_forward_checks_the_block_outputs_it_keeps_in_one_launch(attach, monkeypatch):
+    """The four blocks' outputs, too large to copy, wait for the end of the forward (the
+    forward keeps them: each next Linear saves its input) and are checked by batch row in
+    one launch (``counting.row_extremes``); the input, in its hook, takes one aminmax, and
+    one amin and one amax when the forward ends. Without Triton every output takes its own
+    aminmax in its hook (where each took an aminmax, a min, a max and a stack before)."""
+    from gradmon.capture import counting
     from gradmon.capture.records import DEFER_MAX
 
     torch.manual_seed(0)
@@ -534,10 +536,16 @@ def test_on_cuda_an_ordinary_forward_checks_each_block_output_in_one_kernel(atta
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
+    launches = []
+    real = counting.row_extremes
+    monkeypatch.setattr(counting, "row_extremes", lambda group, rows: launches.append(len(group)) or real(group, rows))
     with op_names() as ops:
         model(x)
     reductions = [n for n in ops.names if n.startswith(("aminmax", "amin", "amax", "min", "max", "stack"))]
-    assert sorted(reductions) == ["amax", "amin"] + ["aminmax"] * 5, reductions
+    if counting.available():
+        assert sorted(reductions) == ["amax", "amin", "aminmax"] and launches == [4], (reductions, launches)
+    else:
+        assert sorted(reductions) == ["amax", "amin"] + ["aminmax"] * 5 and launches == [], reductions
     assert mon.flush()
 
 

@@ -88,14 +88,16 @@ def test_the_kernel_counts_exactly_under_tritons_interpreter():
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == {
         "mismatches": [], "groups": len(groups("cpu")),
-        "param_grad_stats": {"served": 4, "equal": True}}  # bf16 and float32, large and small
+        "param_grad_stats": {"served": 4, "equal": True},  # bf16 and float32, large and small
+        "norms": {"mismatches": [], "groups": len(groups("cpu")), "fused_rows": True, "unservable": None},
+        "rows": {"mismatches": [], "groups": len(row_groups("cpu"))}}
 
 
 @needs_triton
 def test_aligned_tensors_are_read_16_bytes_at_a_time_by_the_kernel_compiled_for_an_h100():
     """Compiled ahead of time for sm_90 (no GPU needed): with every address on a 16-byte
     boundary the whole chunks' loads are 16 bytes wide; a view off that boundary gets the
-    narrow variant, which must still compile."""
+    narrow variant, which must still compile; the same with the squares summed (float64 rows)."""
     import re
 
     from triton.backends.compiler import GPUTarget
@@ -103,15 +105,29 @@ def test_aligned_tensors_are_read_16_bytes_at_a_time_by_the_kernel_compiled_for_
 
     from gradmon.capture.triton_kernels import count_nonfinite
     loads = {}
+    for squares in (False, True):
+        for name, itemsize, align in (("bf16", 2, 8), ("fp32", 4, 4), ("fp32", 4, 1)):
+            signature = {"base": "*" + name, "offsets": "*i64", "work": "*i64", "out": "*fp64" if squares else "*i64",
+                         "ITEMSIZE": "constexpr", "ALIGN": "constexpr", "BLOCK": "constexpr", "CHUNK": "constexpr",
+                         "SQUARES": "constexpr"}
+            aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+            source = ASTSource(count_nonfinite, signature, attrs=aligned, constexprs={
+                "ITEMSIZE": itemsize, "ALIGN": align, "BLOCK": B, "CHUNK": C, "SQUARES": squares})
+            ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
+            loads[(name, align, squares)] = set(re.findall(r"ld\.global\.v4\.b32", ptx))
+    wide = {"ld.global.v4.b32"}
+    assert loads == {(name, align, squares): wide if align > 1 else set()
+                     for squares in (False, True) for name, align in (("bf16", 8), ("fp32", 4), ("fp32", 1))}
+    from gradmon.capture.triton_kernels import row_extremes  # the block outputs' rows, whose starts are ALIGN's
+    rows = {}
     for name, itemsize, align in (("bf16", 2, 8), ("fp32", 4, 4), ("fp32", 4, 1)):
-        signature = {"base": "*" + name, "offsets": "*i64", "work": "*i64", "out": "*i64", "ITEMSIZE": "constexpr",
+        signature = {"base": "*" + name, "offsets": "*i64", "work": "*i64", "out": "*fp32", "ITEMSIZE": "constexpr",
                      "ALIGN": "constexpr", "BLOCK": "constexpr", "CHUNK": "constexpr"}
-        aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}
-        source = ASTSource(count_nonfinite, signature, constexprs={"ITEMSIZE": itemsize, "ALIGN": align,
-                                                                   "BLOCK": B, "CHUNK": C}, attrs=aligned)
+        source = ASTSource(row_extremes, signature, attrs={(i,): [["tt.divisibility", 16]] for i in range(4)},
+                           constexprs={"ITEMSIZE": itemsize, "ALIGN": align, "BLOCK": B, "CHUNK": C})
         ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
-        loads[(name, align)] = set(re.findall(r"ld\.global\.v4\.b32", ptx))
-    assert loads == {("bf16", 8): {"ld.global.v4.b32"}, ("fp32", 4): {"ld.global.v4.b32"}, ("fp32", 1): set()}
+        rows[(name, align)] = set(re.findall(r"ld\.global\.v4\.b32", ptx))
+    assert rows == {("bf16", 8): wide, ("fp32", 4): wide, ("fp32", 1): set()}
 
 
 def test_torch_ops_count_where_the_kernel_cannot_serve(monkeypatch):
@@ -202,19 +218,26 @@ def _grads(device: str) -> List[torch.Tensor]:
 @needs_triton
 @pytest.mark.cuda
 def test_param_grad_stats_rows_equal_those_of_torch_ops_on_cuda(monkeypatch):
-    grads = _grads("cuda")
+    """The kernel's rows (norms summed as it counts, one launch per dtype) against torch's
+    (``_foreach_norm`` and counts by torch ops): counts exact, norms to float32 rounding,
+    finite gradients among the planted ones."""
+    grads = _grads("cuda") + [torch.randn(n, device="cuda").to(dtype) * 3
+                              for n, dtype in ((768 * 768, torch.bfloat16), (5, torch.bfloat16), (40000, torch.float32))]
     home = torch.device("cuda")
     served = []
-    real = counting.nonfinite_counts
-    monkeypatch.setattr(counting, "nonfinite_counts", lambda group: served.append(real(group)) or served[-1])
+    real = counting.norms_and_counts
+    monkeypatch.setattr(counting, "norms_and_counts", lambda groups: served.append(real(groups)) or served[-1])
     rows, order = stats.param_grad_stats(grads, home)
-    assert len(served) == 4 and all(s is not None for s in served)  # bf16 and float32, large and small
+    assert len(served) == 1 and len(served[0]) == 2  # one call, a group per dtype, small and large together
+    monkeypatch.setattr(counting, "norms_and_counts", lambda groups: None)
     monkeypatch.setattr(counting, "nonfinite_counts", lambda group: None)
     rows_torch, order_torch = stats.param_grad_stats(grads, home)
-    assert order == order_torch and rows.dtype == rows_torch.dtype == torch.float64
-    assert torch.equal(rows[:, 1:].cpu(), rows_torch[:, 1:].cpu())
-    want = reference([grads[i] for i in order]).double()
-    assert torch.equal(rows[:, 1:].cpu(), want)
+    assert rows.dtype == rows_torch.dtype == torch.float64
+    by_tensor, by_tensor_torch = rows[torch.tensor(order).argsort()].cpu(), rows_torch[torch.tensor(order_torch).argsort()].cpu()
+    assert torch.equal(by_tensor[:, 1:], by_tensor_torch[:, 1:])
+    assert torch.equal(by_tensor[:, 1:], reference(grads).double())
+    assert torch.allclose(by_tensor[:, 0], by_tensor_torch[:, 0], rtol=1e-5, equal_nan=True)
+    assert by_tensor[-3:, 0].isfinite().all()
 
 
 def _device_kernels(fn) -> dict:
@@ -235,16 +258,19 @@ def _device_kernels(fn) -> dict:
 @pytest.mark.cuda
 def test_counting_51_large_gradients_takes_one_launch_on_cuda(monkeypatch):
     """What bench/bench_launches.py sees on GPT-2 small's ordinary step: its 51 large
-    gradients' counts took several kernels each; with the kernel, one in all."""
+    gradients' counts took several kernels each; with the kernel, one in all, which sums
+    their squares too: no norm kernel of torch's."""
     grads = [planted(768 * 768, torch.bfloat16, "cuda", i) for i in range(51)]
     home = torch.device("cuda")
     with_kernel = _device_kernels(lambda: stats.param_grad_stats(grads, home))
+    monkeypatch.setattr(counting, "norms_and_counts", lambda groups: None)
     monkeypatch.setattr(counting, "nonfinite_counts", lambda group: None)
     with_torch_ops = _device_kernels(lambda: stats.param_grad_stats(grads, home))
     counted = sum(n for name, n in with_kernel.items() if "count_nonfinite" in name)
     print(f"device kernels of param_grad_stats over 51 large bf16 gradients: {sum(with_kernel.values())} "
-          f"with the kernel, {sum(with_torch_ops.values())} with torch ops")
-    assert counted == 1
+          f"with the kernel ({dict(with_kernel)}), {sum(with_torch_ops.values())} with torch ops")
+    assert counted == 1 and not [name for name in with_kernel if "norm" in name.lower()], with_kernel
+    assert sum(with_kernel.values()) <= 4, with_kernel  # its zeroed rows, the kernel, the root
     assert sum(with_torch_ops.values()) - sum(with_kernel.values()) >= 4 * 51, (with_kernel, with_torch_ops)
 
 
@@ -275,8 +301,9 @@ def test_an_ordinary_step_counts_by_the_kernel_without_a_host_sync_and_exactly_o
     from conftest import scrape, value
     from test_no_host_sync import RaiseOnSync, cuda_sync_is_an_error
     served = []
-    real = counting.nonfinite_counts
+    real, real_norms = counting.nonfinite_counts, counting.norms_and_counts
     monkeypatch.setattr(counting, "nonfinite_counts", lambda group: served.append(real(group)) or served[-1])
+    monkeypatch.setattr(counting, "norms_and_counts", lambda groups: served.append(real_norms(groups)) or served[-1])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.LayerNorm(256),
                           nn.Linear(256, 8)).cuda()
@@ -329,6 +356,78 @@ def param_grad_stats_through_the_kernel() -> dict:
     return {"served": sum(s is not None for s in served), "equal": equal}
 
 
+def norms_through_the_kernel() -> dict:
+    """Under the interpreter: the kernel's norms and counts of every group at once
+    (``counting.norms_and_counts``) against torch's (norms to float32 rounding, counts
+    exact), the gradients' rows ``param_grad_stats`` makes from them against its torch
+    path's, and a set of groups one of which it cannot read (not contiguous): none served."""
+    every = groups("cpu")
+    made = counting.norms_and_counts(every, interpreted=True)
+    bad = []
+    for group, rows in zip(every, made or []):
+        want = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in group]).double()
+        if (rows.dtype != torch.float64 or not torch.allclose(rows[:, 0], want, rtol=1e-5, equal_nan=True)
+                or not torch.equal(rows[:, 1:].long(), reference(group))):
+            bad.append(f"{group[0].dtype} sizes {[g.numel() for g in group]}: {rows.tolist()}")
+    finite = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+              for n, dtype in ((20000, torch.bfloat16), (768, torch.bfloat16), (40000, torch.float32), (5, torch.float32))]
+    finite[2][7] = float("inf")
+    real = counting.norms_and_counts
+    counting.norms_and_counts = lambda gs: real(gs, interpreted=True)
+    fused, order = stats._fused_rows(finite, torch.device("cpu"))
+    counting.norms_and_counts = real
+    counting_off = counting.nonfinite_counts
+    counting.nonfinite_counts = lambda group: None
+    rows, order_torch = stats._grouped_rows(finite, torch.device("cpu"), stats._norms_and_counts)
+    counting.nonfinite_counts = counting_off
+    by_tensor = lambda r, o: r[torch.tensor(o).argsort()]  # noqa: E731
+    fused_rows = bool(torch.allclose(by_tensor(fused, order), by_tensor(rows, order_torch), rtol=1e-5))
+    strided = torch.randn(8, 8)[:, ::2]
+    return {"mismatches": bad, "groups": len(made or []), "fused_rows": fused_rows,
+            "unservable": counting.norms_and_counts([finite[:2], [strided]], interpreted=True)}
+
+
+def row_groups(device: str) -> List[tuple]:
+    """(group, rows per tensor): rows of several pieces with a short last one, rows shorter
+    than a block, a row length that breaks 16-byte loads, a tensor taken whole (1 row); NaN,
+    Inf and -Inf planted in some rows only, at piece edges."""
+    out = []
+    for dtype in DTYPES:
+        a = planted(4 * (C + 3), dtype, device, 0)  # 4 rows of C + 3: two pieces each
+        b = torch.randn(4 * 700, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)  # rows of 700
+        b[700 + 5] = float("-inf")
+        c = torch.randn(3 * C, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)  # whole: 1 row
+        out.append(([a, b, c], [4, 4, 1]))
+        odd = torch.randn(2 * 1001, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
+        odd[1001] = float("nan")
+        out.append(([odd], [2]))  # rows of 1001 elements: one element at a time
+    return out
+
+
+def row_extremes_through_the_kernel() -> dict:
+    """Under the interpreter: ``counting.row_extremes`` against ``torch.aminmax`` by row."""
+    bad = []
+    for group, rows in row_groups("cpu"):
+        made = counting.row_extremes(group, rows, interpreted=True)
+        if made is None:
+            bad.append(f"{group[0].dtype} {rows}: not served")
+            continue
+        whole, by_row, starts = made
+        for i, (t, r) in enumerate(zip(group, rows)):
+            lo, hi = torch.aminmax(t.float().reshape(r, -1), dim=1)
+            want = torch.stack((lo, hi), 1)
+            got = by_row[starts[i]:starts[i] + r]
+            whole_want = torch.stack((lo.min(), hi.max())) if not want.isnan().any() else None
+            if not torch.equal(got.isnan(), want.isnan()) or not torch.equal(got.nan_to_num(), want.nan_to_num()):
+                bad.append(f"{t.dtype} tensor {i} rows: {got.tolist()} != {want.tolist()}")
+            if whole_want is not None and not torch.equal(whole[i], whole_want):
+                bad.append(f"{t.dtype} tensor {i} whole: {whole[i].tolist()} != {whole_want.tolist()}")
+            if whole_want is None and not whole[i].isnan().all():
+                bad.append(f"{t.dtype} tensor {i} whole: {whole[i].tolist()} is not NaN")
+    return {"mismatches": bad, "groups": len(row_groups("cpu"))}
+
+
 if __name__ == "__main__":  # the interpreter's child process (TRITON_INTERPRET=1)
     print(json.dumps({"mismatches": mismatches("cpu", interpreted=True), "groups": len(groups("cpu")),
-                      "param_grad_stats": param_grad_stats_through_the_kernel()}))
+                      "param_grad_stats": param_grad_stats_through_the_kernel(),
+                      "norms": norms_through_the_kernel(), "rows": row_extremes_through_the_kernel()}))

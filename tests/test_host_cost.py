@@ -292,6 +292,78 @@ def test_a_deferred_output_that_is_not_plain_is_checked_alone_and_its_block_no_l
     assert checks.settled == {1}
 
 
+def _heavy_on_the_cpu(monkeypatch, served):
+    """``BlockChecks.heavy`` for large CPU tensors, and ``extremes_held`` answered by the
+    per-tensor reductions (the kernel itself: tests/test_counting.py, and the CUDA tests):
+    what is left to test on the CPU is which outputs wait and when."""
+    from gradmon.capture import kernels as K
+    from gradmon.capture import records
+
+    monkeypatch.setattr(records.BlockChecks, "heavy",
+                        staticmethod(lambda t: t.is_floating_point() and t.numel() > records.DEFER_MAX))
+
+    def held(tensors, home, batch=None, rows=None):
+        if None in served:  # told to refuse
+            return None
+        served.append(len(tensors))
+        pairs = [K.extremes(t) for t in tensors]
+        return (torch.stack([lo for lo, _ in pairs]).double().unsqueeze(1),
+                torch.stack([hi for _, hi in pairs]).double().unsqueeze(1), tuple(range(len(tensors))))
+    monkeypatch.setattr(K, "extremes_held", held)
+
+
+def test_a_large_output_waits_only_once_a_forward_showed_it_alive_and_unchanged_at_its_end(monkeypatch):
+    """Kept by the forward (here by the test, as autograd keeps a saved input): it waits from
+    the next forward on; freed during the forward, changed in place after its block
+    returned, or refused by the one-launch check: its hook goes on checking it."""
+    from gradmon import statistics as S
+    from gradmon.capture.records import DEFER_MAX, BlockChecks, _Records
+
+    served = []
+    _heavy_on_the_cpu(monkeypatch, served)
+    checks = BlockChecks()
+    kept, changed = torch.randn(DEFER_MAX + 1), torch.randn(DEFER_MAX + 1)
+    assert not checks.defer(1, kept) and not checks.defer(2, torch.randn(DEFER_MAX + 1))  # 2's is freed
+    assert not checks.defer(3, changed)
+    changed.add_(1)
+    assert checks.flush(checks.take(), []) == []
+    assert checks.held == {1} and checks.settled == set()
+    assert checks.wait(1, kept) and not checks.wait(2, kept) and not checks.wait(3, kept)
+    records = _Records(keyed=False)
+    assert checks.flush(checks.take(), [(S.BLOCK_FINITE, records)], alias=(9,)) == []
+    records.commit()
+    assert records.keys() == [1, 9] and served == [1]
+    (keys, numels, (lo, hi)), = records.rows
+    assert numels == (kept.numel(),) * 2 and torch.equal(lo[:, 0], kept.min().double().expand(2))
+    assert checks.wait(1, kept)
+    served[:] = [None]  # the kernel cannot serve: checked alone, back to the hook
+    assert checks.flush(checks.take(), [(S.BLOCK_FINITE, records)]) == [(1, kept)]
+    assert checks.held == set()
+
+
+def test_small_and_held_outputs_of_one_forward_are_checked_in_their_own_batches(monkeypatch):
+    from gradmon import statistics as S
+    from gradmon.capture.records import DEFER_MAX, BlockChecks, _Records
+
+    served = []
+    _heavy_on_the_cpu(monkeypatch, served)
+    checks = BlockChecks()
+    outs = {1: torch.randn(4, 8), 2: torch.randn(DEFER_MAX + 5), 3: torch.randn(4, 8), 4: torch.randn(DEFER_MAX + 7)}
+    for key, t in outs.items():
+        assert not checks.defer(key, t)
+    checks.flush(checks.take(), [])
+    assert checks.settled == {1, 3} and checks.held == {2, 4}
+    for key, t in outs.items():
+        assert checks.wait(key, t)
+    records = _Records(keyed=False)
+    assert checks.flush(checks.take(), [(S.BLOCK_FINITE, records)], alias=(5,)) == []
+    records.commit()
+    assert sorted(records.keys()) == [1, 2, 3, 4, 5] and served == [2]
+    by_key = {k: (n, lo, hi) for keys, numels, (los, his) in records.rows
+              for k, n, lo, hi in zip(keys, numels, los[:, 0], his[:, 0])}
+    assert by_key[5][0] == outs[4].numel() and by_key[5][2] == outs[4].max().double()  # the last output's
+
+
 @pytest.mark.parametrize("case", ["mixed dtypes", "a NaN", "an Inf"])
 def test_outputs_checked_as_one_stack_give_each_output_its_own_extremes(case):
     from gradmon.capture import kernels as K

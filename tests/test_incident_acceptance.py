@@ -61,6 +61,25 @@ def test_on_cuda_the_step_the_block_and_the_row_are_named_as_on_the_cpu(attach, 
     assert b.meta["rows"] == {"known": True, "rows": [W.ROW], "block": block, "reason": None}
 
 
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("scenario,block", [("log", "block2"), ("exp", "block1"), ("input", "input")])
+def test_on_cuda_outputs_held_to_the_end_of_the_forward_name_the_step_the_block_and_the_row(
+        attach, monkeypatch, tmp_path, scenario, block):
+    """The block outputs counted large here (``DEFER_MAX`` lowered below theirs) wait for the
+    end of the forward once one forward showed them alive there, and are checked by batch
+    row in one launch (``counting.row_extremes``): the same names as every other path."""
+    from gradmon.capture import counting, records
+    monkeypatch.setattr(records, "DEFER_MAX", 64)
+    launches = []
+    real = counting.row_extremes
+    monkeypatch.setattr(counting, "row_extremes", lambda group, rows: launches.append(len(group)) or real(group, rows))
+    b = bundle_of(attach, monkeypatch, tmp_path, scenario, "cuda")
+    assert b.meta["incident"]["step"] == W.STEP and b.meta["incident"]["block"] == block
+    assert b.meta["rows"] == {"known": True, "rows": [W.ROW], "block": block, "reason": None}
+    assert launches and max(launches) >= 4 and not counting._failed  # the blocks' outputs, at once
+
+
 def test_a_nan_that_comes_with_the_batch_is_named_input(attach, monkeypatch, tmp_path):
     b = bundle_of(attach, monkeypatch, tmp_path, "input")
     assert b.meta["incident"]["block"] == "input" and b.meta["incident"]["step"] == W.STEP

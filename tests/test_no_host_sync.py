@@ -190,6 +190,35 @@ def test_no_host_sync_on_cuda_under_sync_debug_mode_error(make):
 
 @needs_cuda
 @pytest.mark.cuda
+def test_block_outputs_held_to_the_end_of_the_forward_never_sync_on_cuda_under_sync_debug_mode_error(monkeypatch):
+    """The defaults' ordinary steps with every block output counted large (``DEFER_MAX``
+    lowered): held to the end of the forward, checked in one launch by batch row, the
+    gradients' norms and counts in one launch too."""
+    from gradmon.capture import counting, records
+    monkeypatch.setattr(records, "DEFER_MAX", 8)
+    launches = []
+    real = counting.row_extremes
+    monkeypatch.setattr(counting, "row_extremes", lambda group, rows: launches.append(len(group)) or real(group, rows))
+    torch.manual_seed(0)
+    model = Model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    train_steps(model, opt, 1, "cuda")
+    with gradmon.attach(model, port=0, addr="127.0.0.1") as mon:
+        train_steps(model, opt, 3, "cuda", mon)  # the first a detail step; the blocks probed
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with RaiseOnSync():
+                train_steps(model, opt, 3, "cuda", mon)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert mon.flush()
+        assert mon.snapshot().steps_total == 6 and sum(mon._errors.counts().values()) == 0
+    assert launches and not counting._failed or not counting.available()
+
+
+@needs_cuda
+@pytest.mark.cuda
 def test_the_step_guard_on_a_fused_optimizer_never_syncs_on_cuda_under_sync_debug_mode_error():
     torch.manual_seed(0)
     model = Model().cuda()

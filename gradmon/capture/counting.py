@@ -1,14 +1,20 @@
-"""Exact NaN and Inf counts of a group of CUDA tensors in one kernel launch.
+"""Exact NaN and Inf counts of a group of CUDA tensors in one kernel launch, and their L2
+norms in the same pass where they are asked; and the min and max of each batch row of a
+group (the top-level blocks' outputs, :func:`row_extremes`) in one launch.
 
 On an accelerator the counts of every gradient are taken every step: only a host read of
 the norms could skip those of finite tensors, and the training thread never waits for the
 device. Counted with torch ops, each tensor costs several kernels (``isnan``; ``abs`` and
 a compare for ``isinf``; a sum of a bool, which CUDA copies to int64 first). One Triton
-kernel (:mod:`triton_kernels`) reads every element of the group once instead.
+kernel (:mod:`triton_kernels`) reads every element of the group once instead; asked for
+the norms as well (:func:`norms_and_counts`, the gradients' every-step record), it sums
+the squares in that pass, where ``_foreach_norm`` read every gradient again, and its
+host cost (a few microseconds per tensor: an output tensor for each) was the largest
+part of the gradients' record on a GPU.
 
 Where it cannot serve (Triton not installed, not CUDA, a dtype it does not read, a tensor
 that is not contiguous, inside a compiled region) :func:`nonfinite_counts` returns None and
-the caller counts with torch ops, to the same counts. A failure to import, compile or
+the caller counts with torch ops, to the same counts (and norms, to float32 rounding). A failure to import, compile or
 launch the kernel is logged once, and the torch ops serve from then on: a count is never lost.
 """
 
@@ -18,7 +24,7 @@ import contextlib
 import functools
 import itertools
 import operator
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,54 +49,156 @@ def nonfinite_counts(group: Sequence[torch.Tensor], interpreted: bool = False) -
     is read on the host and nothing raises. ``interpreted`` lets CPU tensors through, for
     Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported): how the
     tests run the kernel without a GPU."""
+    if _failed:
+        return None
+    try:
+        layout = _layout(group, interpreted)
+        return None if layout is None else _launch(group, *layout, squares=False)
+    except Exception as exc:
+        _fail(exc)
+        return None
+
+
+def norms_and_counts(groups: Sequence[Sequence[torch.Tensor]], interpreted: bool = False
+                     ) -> Optional[List[torch.Tensor]]:
+    """For each of ``groups`` (tensors of one device and dtype), an (n, 3) float64 [L2 norm,
+    NaN, Inf] tensor, row i for ``group[i]``: one kernel launch and a root per group; or
+    None, with nothing launched, where the kernel cannot serve every group (as
+    :func:`nonfinite_counts`). The norm is summed in float32 within a chunk of
+    :data:`CHUNK` elements and in float64 across them; a NaN element makes it NaN and an
+    Inf one Inf (or NaN), as ``torch.linalg.vector_norm`` in float32 does."""
     global _failed
     if _failed:
         return None
     try:
-        return _counted(group, interpreted)
-    except Exception as exc:  # a failure to compile or launch: the torch ops count from now on
-        _failed = True
-        log.warning("gradmon: the one-launch NaN/Inf count failed; counting with torch ops from now on",
-                    exc_info=(type(exc), exc, exc.__traceback__))
+        layouts = [_layout(group, interpreted) for group in groups]
+        if None in layouts:
+            return None
+        out = [_launch(group, *layout, squares=True) for group, layout in zip(groups, layouts)]  # type: ignore[misc]
+    except Exception as exc:
+        _fail(exc)
         return None
+    for rows in out:
+        rows[:, 0].sqrt_()
+    return out
 
 
-def _counted(group: Sequence[torch.Tensor], interpreted: bool) -> Optional[torch.Tensor]:
+def _fail(exc: BaseException) -> None:
+    """A failure to compile or launch: the torch ops count from now on."""
+    global _failed
+    _failed = True
+    log.warning("gradmon: the one-launch NaN/Inf count failed; counting with torch ops from now on",
+                exc_info=(type(exc), exc, exc.__traceback__))
+
+
+def _layout(group: Sequence[torch.Tensor], interpreted: bool, pieces: Tuple[int, ...] = ()
+            ) -> Optional[Tuple[Tuple[int, ...], int, int]]:
+    """(the tensors' addresses, item size, elements a load reads) where the kernels can read
+    ``group``, else None; ``pieces``: lengths at which the reads start over (batch rows)."""
     first = group[0]
     itemsize = _ITEMSIZE.get(first.dtype)
     # plain tensors only: a subclass (DTensor, a fake tensor) has no memory of its own to read
     if (itemsize is None or not (first.is_cuda or interpreted) or torch.compiler.is_compiling()
-            or set(map(type, group)) != {torch.Tensor} or not all(map(torch.Tensor.is_contiguous, group))):
+            or set(map(type, group)) != {torch.Tensor} or not all(map(torch.Tensor.is_contiguous, group))
+            or _kernel() is None):
         return None
     addresses = tuple(map(torch.Tensor.data_ptr, group))
     # 16-byte loads where every tensor starts on a 16-byte boundary (the allocator's blocks
     # do; a view into a flat buffer may not), else one element at a time, which needs the
     # tensors a whole number of elements apart
-    aligned = not any(map((16).__rmod__, addresses))
+    aligned = not any(map((16).__rmod__, addresses)) and not any(map((16 // itemsize).__rmod__, pieces))
     if not aligned and any(map(itemsize.__rmod__, addresses)):
         return None
-    kernel = _kernel()
-    return None if kernel is None else _launch(kernel, group, addresses, itemsize, 16 // itemsize if aligned else 1)
+    return addresses, itemsize, 16 // itemsize if aligned else 1
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel() -> Any:
+def row_extremes(group: Sequence[torch.Tensor], rows: Sequence[int], interpreted: bool = False
+                 ) -> Optional[Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]]:
+    """(whole, by_row, starts) of ``group`` (tensors of one device and dtype, none empty),
+    tensor i cut into ``rows[i]`` equal rows (its batch, or 1): ``whole`` the (n, 2)
+    float32 [min, max] of each tensor, ``by_row[starts[i] + r]`` the [min, max] of row r
+    of tensor i. NaN propagates and an Inf keeps its sign, as ``torch.aminmax``. One
+    kernel launch (pieces of at most :data:`CHUNK` elements of a row each) and two
+    reductions by segment; None, with nothing launched, where the kernel cannot serve."""
+    if _failed:
+        return None
     try:
-        from .triton_kernels import count_nonfinite
+        numels = tuple(map(torch.Tensor.numel, group))
+        lengths = tuple(map(operator.floordiv, numels, rows))
+        layout = _layout(group, interpreted, lengths)
+        kernel = _kernel("row_extremes")
+        if layout is None or kernel is None:
+            return None
+        addresses, itemsize, align = layout
+        device = group[0].device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        work, programs, pieces, per_tensor, starts = _row_work(lengths, tuple(rows), align, device, stream)
+        out = torch.empty((programs, 2), dtype=torch.float32, device=device)
+        offsets = _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[0]))), device, stream)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            kernel[(programs,)](group[0], offsets, work, out, ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK, CHUNK=CHUNK,
+                                enable_fp_fusion=False)
+        # [min, -max]: one min by segment takes every row, then every tensor
+        by_row = torch.segment_reduce(out, "min", lengths=pieces, axis=0, unsafe=True)
+        whole = torch.segment_reduce(by_row, "min", lengths=per_tensor, axis=0, unsafe=True)
+        sign = _sign(device)
+        return whole.mul_(sign), by_row.mul_(sign), starts
+    except Exception as exc:
+        _fail(exc)
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _row_work(lengths: Tuple[int, ...], rows: Tuple[int, ...], align: int, device: torch.device, stream: int
+              ) -> Tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """(the flat (tensor, start / align, end) rows of every piece of every batch row, on
+    ``device``; their number; the pieces of each row, and the rows of each tensor, on
+    ``device``; each tensor's first row among all). The same few layouts come back every
+    step: built and copied once each."""
+    work: List[int] = []
+    pieces: List[int] = []
+    for i, (length, count) in enumerate(zip(lengths, rows)):
+        per_row = -(-length // CHUNK)
+        for r in range(count):
+            first = r * length
+            for k in range(per_row):
+                start = first + k * CHUNK
+                work += (i, start // align, min(start + CHUNK, first + length))
+        pieces += [per_row] * count
+    starts = tuple(itertools.accumulate(rows, initial=0))[:-1]
+    return (_to_device(tuple(work), device), len(work) // 3, _to_device(tuple(pieces), device),
+            _to_device(tuple(rows), device), starts)
+
+
+@functools.lru_cache(maxsize=8)
+def _sign(device: torch.device) -> torch.Tensor:
+    return _to_device((1, -1), device).to(torch.float32)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(name: str = "count_nonfinite") -> Any:
+    try:
+        from .triton_kernels import count_nonfinite, row_extremes
     except ImportError:  # Triton is not installed: no log, the torch ops are the normal case
         return None
-    return count_nonfinite
+    return {"count_nonfinite": count_nonfinite, "row_extremes": row_extremes}[name]
 
 
-def _launch(kernel: Any, group: Sequence[torch.Tensor], addresses: Tuple[int, ...], itemsize: int, align: int
-            ) -> torch.Tensor:
-    device = group[0].device
+def available() -> bool:
+    """Whether the kernels may serve here (Triton importable, none failed)."""
+    return not _failed and _kernel() is not None
+
+
+def _launch(group: Sequence[torch.Tensor], addresses: Tuple[int, ...], itemsize: int, align: int,
+            squares: bool) -> torch.Tensor:
+    kernel, device = _kernel(), group[0].device
     # The cached tables are kept per stream: one made (copied) on another stream would not
     # be ordered before this launch, nor its memory's reuse after it.
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     numels = tuple(map(torch.Tensor.numel, group))
     work, programs = _work(numels, device, stream)
-    out = torch.zeros((len(group), 2), dtype=torch.int64, device=device)
+    out = (torch.zeros((len(group), 3), dtype=torch.float64, device=device) if squares
+           else torch.zeros((len(group), 2), dtype=torch.int64, device=device))
     if programs:
         # the base pointer is a tensor with elements: an empty one's may be null, which
         # Triton refuses as an argument
@@ -99,10 +207,10 @@ def _launch(kernel: Any, group: Sequence[torch.Tensor], addresses: Tuple[int, ..
         # Triton launches on the current device's current stream: the tensors' device,
         # and the stream their memory is ordered on (as a torch op on them would be)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            # enable_fp_fusion: the kernel has no multiply-add to fuse; said, so that Triton
-            # does not warn the user about its default
+            # enable_fp_fusion: said, so that Triton does not warn the user about its default
+            # (the squares' sum needs no fused multiply-add)
             kernel[(programs,)](group[base], offsets, work, out, ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK,
-                                CHUNK=CHUNK, enable_fp_fusion=False)
+                                CHUNK=CHUNK, SQUARES=squares, enable_fp_fusion=False)
     return out
 
 

@@ -358,14 +358,31 @@ def param_grad_stats(grads: Sequence[torch.Tensor], home: torch.device) -> Tuple
     """(an (n, 3) tensor on ``home``, row order): columns are L2 norm, NaN count, Inf
     count; row j describes ``grads[order[j]]``.
 
-    The norms go through ``torch._foreach_norm`` (one multi-tensor kernel per device and
-    dtype rather than one per parameter); fp16/bf16 gradients are reduced in float32 so
+    On CUDA one kernel per device and dtype counts and sums the squares in one pass
+    (:func:`_fused_rows`); elsewhere, or where it cannot serve, the norms go through
+    ``torch._foreach_norm`` (one multi-tensor kernel per device and dtype rather than one
+    per parameter) and the counts follow. fp16/bf16 gradients are reduced in float32 so
     that a large but finite norm does not overflow to Inf. Rows come grouped by device
     and the host undoes the grouping, because scattering them back on the device would
     need an index tensor copied from the host.
     """
     dense = [_dense(g) for g in grads] if any(map(_IS_SPARSE, grads)) else grads
-    return _grouped_rows(dense, home, _norms_and_counts)
+    fused = _fused_rows(dense, home) if dense[0].is_cuda else None
+    return fused if fused is not None else _grouped_rows(dense, home, _norms_and_counts)
+
+
+def _fused_rows(tensors: Sequence[torch.Tensor], home: torch.device) -> Optional[Tuple[torch.Tensor, Tuple[int, ...]]]:
+    """:func:`param_grad_stats`' rows where the counting kernel sums the squares as it
+    counts (:func:`counting.norms_and_counts`): one launch per device and dtype, small
+    and large tensors alike; None where it cannot serve them all."""
+    groups = _groups(tensors, (), split_small=False)
+    made = counting.norms_and_counts([tensors if len(idx) == len(tensors) else [tensors[i] for i in idx]
+                                      for idx in groups.values()])
+    if made is None:
+        return None
+    blocks = [rows.to(home, _ship_dtype(home), non_blocking=True) for rows in made]
+    order = tuple(itertools.chain.from_iterable(groups.values()))
+    return (blocks[0] if len(blocks) == 1 else torch.cat(blocks)), order
 
 
 def param_norms(weights: Sequence[torch.Tensor], home: torch.device) -> Tuple[torch.Tensor, Tuple[int, ...]]:
@@ -420,10 +437,11 @@ _IS_CUDA = operator.attrgetter("is_cuda")
 _DTYPE = operator.attrgetter("dtype")
 
 
-def _groups(tensors: Sequence[torch.Tensor], numels: Sequence[int]
+def _groups(tensors: Sequence[torch.Tensor], numels: Sequence[int], split_small: bool = True
             ) -> Dict[Tuple[torch.device, torch.dtype, bool], List[int]]:
     """Positions of ``tensors`` by (device, dtype, small): the reductions' groups; a small
-    tensor (below ``_DOT_MIN`` elements) costs less to copy than to launch a kernel for. Read
+    tensor (below ``_DOT_MIN`` elements) costs less to copy than to launch a kernel for
+    (``split_small`` False: all are called large, and ``numels`` is not read). Read
     with C-level maps (a model's thousands of gradients all share one device and dtype),
     not a Python loop of attribute reads per tensor."""
     # a device index and the CUDA flag: reading ``.device`` builds an object per tensor; a
@@ -431,14 +449,16 @@ def _groups(tensors: Sequence[torch.Tensor], numels: Sequence[int]
     indices, dtypes = set(map(torch.Tensor.get_device, tensors)), set(map(_DTYPE, tensors))
     if len(dtypes) == 1 and (indices == {-1} or (len(indices) == 1 and len(set(map(_IS_CUDA, tensors))) == 1)):
         device, dtype = tensors[0].device, tensors[0].dtype
+        if not split_small:
+            return {(device, dtype, False): list(range(len(tensors)))}
         small = [i for i, n in enumerate(numels) if n < _DOT_MIN]
         if len(small) == len(numels):
             return {(device, dtype, True): small}
         large = [i for i, n in enumerate(numels) if n >= _DOT_MIN]
         return {key: idx for key, idx in (((device, dtype, True), small), ((device, dtype, False), large)) if idx}
     groups: Dict[Tuple[torch.device, torch.dtype, bool], List[int]] = defaultdict(list)
-    for i, (t, n) in enumerate(zip(tensors, numels)):
-        groups[(t.device, t.dtype, n < _DOT_MIN)].append(i)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype, split_small and numels[i] < _DOT_MIN)].append(i)
     return groups
 
 
@@ -599,6 +619,33 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
         order.extend(idx)
     lo, hi = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (los, his))
     return lo.unsqueeze(1), hi.unsqueeze(1), tuple(order)
+
+
+def extremes_held(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int] = None,
+                  rows: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]] = None
+                  ) -> Optional[Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]]:
+    """:func:`extremes_many`'s result for large CUDA tensors (the top-level blocks' outputs
+    a forward keeps until its end anyway): each device and dtype's tensors reduced by
+    batch row (where they have the batch's rows; else whole) in one kernel launch
+    (:func:`counting.row_extremes`), where a check in each block's hook cost a launch and
+    its Python apiece. None where the kernel cannot serve every group."""
+    groups = _groups(tensors, (), split_small=False)
+    ship = _ship_dtype(home)
+    wholes: List[torch.Tensor] = []
+    order: List[int] = []
+    for idx in groups.values():
+        group = [tensors[i] for i in idx]
+        cut = [has_rows(t, batch) for t in group]
+        made = counting.row_extremes(group, [batch if c else 1 for c in cut])  # type: ignore[misc]
+        if made is None:
+            return None
+        whole, by_row, starts = made
+        if rows is not None and any(cut):
+            rows.append((tuple(i for i, c in zip(idx, cut) if c), by_row, tuple(st for st, c in zip(starts, cut) if c)))
+        wholes.append(whole.to(home, ship, non_blocking=True))
+        order.extend(idx)
+    whole = wholes[0] if len(wholes) == 1 else torch.cat(wholes)
+    return whole[:, :1], whole[:, 1:], tuple(order)
 
 
 def stack_alike(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:

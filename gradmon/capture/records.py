@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import weakref
 from functools import partial
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -20,7 +21,7 @@ from .. import statistics as S
 from ..errors import ErrorLog
 from ..statistics import Statistic
 from . import kernels as stats
-from . import rowhash, sharded
+from . import counting, rowhash, sharded
 from .layers import is_floating
 from .packet import RowBlock, RowHashes
 
@@ -160,9 +161,11 @@ _Rows = Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[torch.Tensor, ...]]  # key
 DEFER_MAX = 2 ** 14
 """Largest top-level block output (elements) whose non-finite check waits for the end of
 the forward, to be made with every other one in a few kernels (``stats.extremes_many``).
-A larger one is checked in its hook: its kernel costs more than the hook's Python, and
-holding it until the end of the forward could keep alive memory that the forward (or
-activation checkpointing) would have freed."""
+A larger one is checked in its hook (its kernel costs more than the hook's Python, and
+holding it until the end of the forward could keep alive memory that the forward, or
+activation checkpointing, would have freed), unless it is a CUDA tensor that one forward
+showed alive at its end without gradmon holding it (:attr:`BlockChecks.held`): its check
+then waits too, for one launch with the others (``stats.extremes_held``)."""
 
 
 class BlockChecks:
@@ -176,17 +179,25 @@ class BlockChecks:
     deferred output found changed loses that record and goes back to being checked in its
     hook. Holds no tensor between forwards.
 
+    A large CUDA output (:meth:`heavy`) waits on the same terms, and only once one forward
+    showed it alive at its end through a weak reference (:attr:`held`): kept by autograd
+    for the backward (the next block's first layer saves its input), holding it until the
+    end of the forward costs no memory; one that the forward frees (inference, a consumer
+    that saves nothing) goes on being checked in its hook.
+
     The hook of a block already deferred keeps its output after two cheap tests
     (:meth:`wait`); whether it is a plain tensor (:meth:`plain`) is asked at the end of
     the forward, of all of them at once, and one that is not is checked alone then, as its
     hook would have, and goes back to its hook's check."""
 
-    __slots__ = ("waiting", "probing", "settled")
+    __slots__ = ("waiting", "probing", "settled", "weighing", "held")
 
     def __init__(self) -> None:
         self.waiting: List[Tuple[int, torch.Tensor, int]] = []  # (block key, output, its version then)
         self.probing: List[Tuple[int, torch.Tensor, int]] = []  # checked in the hook, watched for a change
-        self.settled: set = set()  # block keys whose outputs may wait
+        self.settled: set = set()  # block keys whose small outputs may wait
+        self.weighing: List[Tuple[int, "weakref.ref[torch.Tensor]", int]] = []  # heavy ones checked, watched
+        self.held: set = set()  # block keys whose heavy outputs may wait
 
     @staticmethod
     def plain(t: Any) -> bool:
@@ -195,23 +206,35 @@ class BlockChecks:
         return (type(t) is torch.Tensor and not t.is_nested and 0 < t.numel() <= DEFER_MAX
                 and t.is_floating_point() and t.layout == torch.strided and not t.is_meta)
 
+    @staticmethod
+    def heavy(t: Any) -> bool:
+        """A large output whose check may wait where the forward keeps it anyway: a dense
+        contiguous floating-point CUDA torch.Tensor, where the one-launch check serves."""
+        return (type(t) is torch.Tensor and t.is_cuda and t.numel() > DEFER_MAX and not t.is_nested
+                and t.is_floating_point() and t.layout == torch.strided and t.is_contiguous()
+                and counting.available())
+
     def defer(self, key: int, t: Any) -> bool:
         """Keep ``t`` for the end of the forward; False when its hook must check it now: it
-        is no :meth:`plain` tensor, or not yet known to stay unchanged (it is then watched,
-        to learn whether it may wait next time)."""
-        if not self.plain(t):
-            return False
-        if key in self.settled:
-            self.waiting.append((key, t, t._version))
-            return True
-        self.probing.append((key, t, t._version))
+        is no :meth:`plain` or :meth:`heavy` tensor, or not yet known to stay unchanged (and
+        alive, if heavy): it is then watched, to learn whether it may wait next time."""
+        if self.plain(t):
+            if key in self.settled:
+                self.waiting.append((key, t, t._version))
+                return True
+            self.probing.append((key, t, t._version))
+        elif self.heavy(t):
+            if key in self.held:
+                self.waiting.append((key, t, t._version))
+                return True
+            self.weighing.append((key, weakref.ref(t), t._version))
         return False
 
     def wait(self, key: int, t: torch.Tensor) -> bool:
         """Keep ``t`` (a torch.Tensor) of a block already known to stay unchanged, unless it
         is too large to hold until the end of the forward; False where :meth:`defer` must
         decide."""
-        if key in self.settled and t.numel() <= DEFER_MAX:
+        if key in self.held or (key in self.settled and t.numel() <= DEFER_MAX):
             self.waiting.append((key, t, t._version))
             return True
         return False
@@ -220,19 +243,25 @@ class BlockChecks:
         return self.waiting[-1] if self.waiting else None
 
     def drop(self) -> None:
-        self.waiting, self.probing = [], []
+        self.waiting, self.probing, self.weighing = [], [], []
 
     def take(self) -> List[Tuple[int, torch.Tensor, int]]:
         """The waiting outputs to check now, those found changed since their block returned
         left out (their blocks go back to their hooks' checks); learns which probed blocks
         may wait from now on. Nothing is held after."""
-        waiting, probing = self.waiting, self.probing
+        waiting, probing, weighing = self.waiting, self.probing, self.weighing
         self.drop()
         for key, t, version in probing:
             if t._version == version:
                 self.settled.add(key)
+        for key, ref, version in weighing:
+            t = ref()
+            if t is not None and t._version == version:
+                self.held.add(key)
         if waiting and list(map(_VERSION, map(_OUTPUT, waiting))) != list(map(_VERSION_THEN, waiting)):
-            self.settled.difference_update(key for key, t, version in waiting if t._version != version)
+            changed = [key for key, t, version in waiting if t._version != version]
+            self.settled.difference_update(changed)
+            self.held.difference_update(changed)
             waiting = [entry for entry in waiting if entry[1]._version == entry[2]]
         return waiting
 
@@ -244,16 +273,26 @@ class BlockChecks:
         ``BLOCK_FINITE`` checks them by batch row, into ``rows``, where the batch is known.
         Returns the (key, output) to be checked one by one instead, as their hooks would
         have: outputs that are no :meth:`plain` tensor (known here, where they are asked
-        all at once; their blocks go back to their hooks' checks)."""
+        all at once; their blocks go back to their hooks' checks), and held ones the
+        one-launch check could not serve."""
         if not waiting:
             return []
+        alone: List[Tuple[int, torch.Tensor]] = []
+        numels = list(map(torch.Tensor.numel, map(_OUTPUT, waiting)))
+        if max(numels) > DEFER_MAX:
+            last_held = numels[-1] > DEFER_MAX
+            alone = self._flush_held([entry for entry, n in zip(waiting, numels) if n > DEFER_MAX], into,
+                                     alias if last_held else (), rows)
+            alias = () if last_held else alias
+            waiting = [entry for entry, n in zip(waiting, numels) if n <= DEFER_MAX]
+            if not waiting:
+                return alone
         tensors = list(map(_OUTPUT, waiting))
         stacked = stats.stack_alike(tensors)  # proves them plain, all at once
-        alone: List[Tuple[int, torch.Tensor]] = []
         if stacked is None and not _all_plain(tensors):
             plain = list(map(self.plain, tensors))
-            alone = [(key, t) for (key, t, _), ok in zip(waiting, plain) if not ok]
-            self.settled.difference_update(key for key, _ in alone)
+            alone += [(key, t) for (key, t, _), ok in zip(waiting, plain) if not ok]
+            self.settled.difference_update(key for (key, _, _), ok in zip(waiting, plain) if not ok)
             if not plain[-1]:  # the root's output went alone: so do the keys that take its record
                 alone += [(key, tensors[-1]) for key in alias]
                 alias = ()
@@ -269,19 +308,46 @@ class BlockChecks:
                 per_row: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]] = []
                 *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row,
                                                     stacked if stacked is not None else False)
-                rows.pending.extend((tuple(map(every_key.__getitem__, idx)), block, starts, rows.size)
-                                    for idx, block, starts in per_row)
+                rows.add(every_key, per_row)
             else:
                 *parts, order = st.record_many(tensors, tensors[0].device)
-            keys = list(map(every_key.__getitem__, order))
-            numels = list(map(every_numel.__getitem__, order))
-            if alias:
-                at = order.index(len(waiting) - 1)
-                keys += alias
-                numels += [numels[at]] * len(alias)
-                parts = [torch.cat((part, part[at:at + 1].expand(len(alias), -1))) for part in parts]
-            records.add_rows(keys, numels, parts)
+            _add_rows(records, every_key, every_numel, parts, order, alias)
         return alone
+
+    def _flush_held(self, held: Sequence[Tuple[int, torch.Tensor, int]], into: Sequence[Tuple[Statistic, "_Records"]],
+                    alias: Sequence[int], rows: Optional["BatchRows"]) -> List[Tuple[int, torch.Tensor]]:
+        """:meth:`flush` of the held (large) outputs: one launch per device and dtype
+        (``stats.extremes_held``), where ``BLOCK_FINITE`` is the only statistic at the blocks;
+        else, or where the kernel cannot serve, the (key, output) to be checked one by one,
+        their blocks back to their hooks' checks."""
+        keys, tensors = [entry[0] for entry in held], list(map(_OUTPUT, held))
+        per_row: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]] = []
+        made = None
+        if len(into) == 1 and into[0][0] is S.BLOCK_FINITE:
+            made = stats.extremes_held(tensors, tensors[0].device, rows.size if rows is not None else None,
+                                       per_row if rows is not None else None)
+        if made is None:
+            self.held.difference_update(keys)
+            return list(zip(keys, tensors)) + [(key, tensors[-1]) for key in alias]
+        *parts, order = made
+        if rows is not None:
+            rows.add(keys, per_row)
+        _add_rows(into[0][1], keys, list(map(torch.Tensor.numel, tensors)), parts, order, alias)
+        return []
+
+
+def _add_rows(records: "_Records", every_key: Sequence[int], every_numel: Sequence[int], parts: Sequence[torch.Tensor],
+              order: Sequence[int], alias: Sequence[int]) -> None:
+    """One statistic's records of a batch of outputs (row j of ``parts`` describes output
+    ``order[j]``), the ``alias`` keys taking the last output's."""
+    keys = list(map(every_key.__getitem__, order))
+    numels = list(map(every_numel.__getitem__, order))
+    if alias:
+        at = order.index(len(every_key) - 1)
+        keys += alias
+        numels += [numels[at]] * len(alias)
+        parts = [torch.cat((part, part[at:at + 1].expand(len(alias), -1))) for part in parts]
+    records.add_rows(keys, numels, parts)
 
 
 _OUTPUT, _VERSION_THEN = operator.itemgetter(1), operator.itemgetter(2)  # of a waiting entry
@@ -391,6 +457,13 @@ class BatchRows:
             lo, hi, rows = table.check(t)
         self.pending.append(((key,), rows, (0,), self.size))  # type: ignore[arg-type]
         return lo, hi
+
+    def add(self, keys: Sequence[int], per_row: Sequence[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]
+            ) -> None:
+        """Rows of outputs checked at the end of the forward: (positions in ``keys``, block,
+        starts) each, as ``stats.extremes_many`` gives them."""
+        self.pending.extend((tuple(map(keys.__getitem__, idx)), block, starts, self.size)  # type: ignore[misc]
+                            for idx, block, starts in per_row)
 
     def finish(self) -> None:
         """The min and max of every output this forward's tables checked (:meth:`RowTable.finish`)."""
