@@ -176,13 +176,8 @@ def test_no_host_sync_on_cuda_under_sync_debug_mode_error(make):
     train_steps(model, opt, 1, "cuda")
     with gradmon.attach(model, port=0, addr="127.0.0.1", detail_every=1, origin_per_layer=True,
                         optimizer_every=1) as mon:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with RaiseOnSync():
-                train_steps(model, opt, 3, "cuda", mon)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        with cuda_sync_is_an_error(), RaiseOnSync():
+            train_steps(model, opt, 3, "cuda", mon)
         assert mon.flush()
         assert mon.snapshot().steps_total == 3 and mon.snapshot().loss is not None
         assert sum(mon._errors.counts().values()) == 0
@@ -205,13 +200,8 @@ def test_block_outputs_held_to_the_end_of_the_forward_never_sync_on_cuda_under_s
     train_steps(model, opt, 1, "cuda")
     with gradmon.attach(model, port=0, addr="127.0.0.1") as mon:
         train_steps(model, opt, 3, "cuda", mon)  # the first a detail step; the blocks probed
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with RaiseOnSync():
-                train_steps(model, opt, 3, "cuda", mon)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        with cuda_sync_is_an_error(), RaiseOnSync():
+            train_steps(model, opt, 3, "cuda", mon)
         assert mon.flush()
         assert mon.snapshot().steps_total == 6 and sum(mon._errors.counts().values()) == 0
     assert launches and not counting._failed or not counting.available()

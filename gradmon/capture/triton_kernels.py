@@ -21,12 +21,7 @@ def count_nonfinite(base, offsets, work, out, ITEMSIZE: tl.constexpr, ALIGN: tl.
     element makes the sum NaN or Inf); the totals are atomics in ``out``'s dtype (int64
     counts; float64 rows [squares, NaN, Inf] with ``SQUARES``), and a count with nothing
     to add (the usual case) issues none."""
-    p = tl.program_id(0)
-    tensor = tl.load(work + 3 * p)
-    start = tl.load(work + 3 * p + 1) * CHUNK
-    end = tl.load(work + 3 * p + 2)
-    offset = tl.load(offsets + tensor) // (ITEMSIZE * ALIGN) * ALIGN
-    data = base + offset
+    tensor, data, start, end = _piece(base, offsets, work, ITEMSIZE, ALIGN, CHUNK)
     if end - start == CHUNK:  # a whole chunk: no mask, whose unknown end would keep loads narrow
         nans, infs, squares = _count_chunk(data, start, end, False, SQUARES, BLOCK, CHUNK)
     else:
@@ -37,6 +32,18 @@ def count_nonfinite(base, offsets, work, out, ITEMSIZE: tl.constexpr, ALIGN: tl.
     kind = row.dtype.element_ty
     tl.atomic_add(row + SQUARES, nans.to(kind), mask=nans > 0)
     tl.atomic_add(row + SQUARES + 1, infs.to(kind), mask=infs > 0)
+
+
+@triton.jit
+def _piece(base, offsets, work, ITEMSIZE: tl.constexpr, ALIGN: tl.constexpr, UNIT: tl.constexpr):
+    """(tensor i, its data, start, end) of this program's piece: ``work[3p:3p+3]`` is (i,
+    start / ``UNIT``, end), and tensor i starts ``offsets[i]`` bytes after ``base``."""
+    p = tl.program_id(0)
+    tensor = tl.load(work + 3 * p)
+    start = tl.load(work + 3 * p + 1) * UNIT
+    end = tl.load(work + 3 * p + 2)
+    offset = tl.load(offsets + tensor) // (ITEMSIZE * ALIGN) * ALIGN
+    return tensor, base + offset, start, end
 
 
 @triton.jit
@@ -66,18 +73,14 @@ def row_extremes(base, offsets, work, out, ITEMSIZE: tl.constexpr, ALIGN: tl.con
     start / ``ALIGN``, end), at most :data:`CHUNK` elements of tensor i, reached as in
     :func:`count_nonfinite`. The max is negated so that one ``min`` reduction by segment
     takes both columns of every row's pieces, and every row's of a tensor, at once."""
-    p = tl.program_id(0)
-    tensor = tl.load(work + 3 * p)
-    start = tl.load(work + 3 * p + 1) * ALIGN
-    end = tl.load(work + 3 * p + 2)
-    offset = tl.load(offsets + tensor) // (ITEMSIZE * ALIGN) * ALIGN
-    data = base + offset
+    _, data, start, end = _piece(base, offsets, work, ITEMSIZE, ALIGN, ALIGN)
     if end - start == CHUNK:
         lo, hi, nans = _extremes_chunk(data, start, end, False, BLOCK, CHUNK)
     else:
         lo, hi, nans = _extremes_chunk(data, start, end, True, BLOCK, CHUNK)
     lo = tl.where(nans > 0, float("nan"), lo)
     hi = tl.where(nans > 0, float("nan"), -hi)
+    p = tl.program_id(0)
     tl.store(out + 2 * p, lo)
     tl.store(out + 2 * p + 1, hi)
 
