@@ -150,6 +150,19 @@ def test_without_triton_there_is_no_kernel_and_nothing_is_logged(monkeypatch, ca
     assert caplog.records == []
 
 
+def test_a_triton_that_fails_to_import_is_logged_once_and_serves_no_more(monkeypatch, caplog):
+    """``available()`` (asked in a block's forward hook) never raises: an import that fails
+    otherwise than by Triton's absence is a failure, logged once, and the kernels serve no
+    more."""
+    def broken(name="count_nonfinite"):
+        raise RuntimeError("triton: no usable driver")
+    monkeypatch.setattr(counting, "_failed", False)
+    monkeypatch.setattr(counting, "_kernel", broken)
+    with caplog.at_level(logging.WARNING, logger="gradmon"):
+        assert counting.available() is False and counting.available() is False
+    assert counting._failed and len(caplog.records) == 1
+
+
 def test_a_failing_launch_is_logged_once_and_torch_ops_count_from_then_on(monkeypatch, caplog):
     class Failing:
         launches = 0

@@ -185,8 +185,15 @@ def _kernel(name: str = "count_nonfinite") -> Any:
 
 
 def available() -> bool:
-    """Whether the kernels may serve here (Triton importable, none failed)."""
-    return not _failed and _kernel() is not None
+    """Whether the kernels may serve here (Triton importable, none failed). Never raises:
+    a Triton whose import fails otherwise than by its absence is a failure, logged once."""
+    if _failed:
+        return False
+    try:
+        return _kernel() is not None
+    except Exception as exc:
+        _fail(exc)
+        return False
 
 
 def _launch(group: Sequence[torch.Tensor], addresses: Tuple[int, ...], itemsize: int, align: int,
