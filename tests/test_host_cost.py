@@ -364,6 +364,48 @@ def test_small_and_held_outputs_of_one_forward_are_checked_in_their_own_batches(
     assert by_key[5][0] == outs[4].numel() and by_key[5][2] == outs[4].max().double()  # the last output's
 
 
+def test_a_forward_that_raises_leaves_no_block_output_held(monkeypatch):
+    """Out of memory in a late block, say: the outputs that waited for the end of the forward
+    are not held after it, so that a retry finds their memory free; the next forward is
+    measured as usual."""
+    import weakref
+
+    from gradmon.capture.records import DEFER_MAX
+
+    served = []
+    _heavy_on_the_cpu(monkeypatch, served)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
+    x = torch.randn(DEFER_MAX // 64 + 8, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    mon = gradmon.attach(model, port=0, addr="127.0.0.1", final_scrape_timeout=0)
+    try:
+        for _ in range(3):
+            step()
+        assert mon._recorder._rec.blocks.held == {1, 2, 3, 4}
+        kept = []
+        hooks = [model[0].register_forward_hook(lambda m, i, out: kept.append(weakref.ref(out))),
+                 model[2].register_forward_hook(lambda m, i, out: 1 / 0)]
+        try:
+            model(x)
+        except ZeroDivisionError:
+            pass
+        for hook in hooks:
+            hook.remove()
+        assert mon._recorder._rec.blocks.waiting == []
+        assert kept and kept[0]() is None  # the first block's output: held by nothing now
+        served.clear()
+        step()
+        assert served == [4]
+    finally:
+        mon.detach()
+
+
 @pytest.mark.parametrize("case", ["mixed dtypes", "a NaN", "an Inf"])
 def test_outputs_checked_as_one_stack_give_each_output_its_own_extremes(case):
     from gradmon.capture import kernels as K

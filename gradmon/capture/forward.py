@@ -142,8 +142,12 @@ class Forward:
                 self._rec.rows.hash_inputs(args, kwargs)
 
     def on_root_exit(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        """The root's forward ended, returned or raised (``always_call``)."""
+        """The root's forward ended, returned or raised (``always_call``). A forward that
+        returned has had its waiting block outputs checked (:meth:`on_root_forward`); one
+        that raised (out of memory, say) leaves them unchecked, and none may stay held: a
+        retry must find the memory free."""
         self._in_root = self._deferring = False
+        self._rec.blocks.drop()
 
     # The hooks registered on blocks and layers carry no index of their own (a partial's
     # arguments are guarded when compiled, so identical blocks compiled one by one would
