@@ -130,6 +130,25 @@ def test_aligned_tensors_are_read_16_bytes_at_a_time_by_the_kernel_compiled_for_
     assert rows == {("bf16", 8): wide, ("fp32", 4): wide, ("fp32", 1): set()}
 
 
+@pytest.mark.parametrize("lengths,rows,align", [((C + 3, 700, 3 * C), (4, 4, 1), 8), ((1001,), (2,), 1),
+                                                 ((5 * C, 1, 16 * C + 8), (3, 7, 1), 4)])
+def test_the_row_pieces_are_every_row_cut_into_chunks_in_order(lengths, rows, align):
+    """The work table of ``counting.row_extremes`` (built by tensor ops) against the rows cut
+    one by one: piece k of row r of tensor i covers its elements r·L + k·C up to the row's end."""
+    want, pieces = [], []
+    for i, (length, count) in enumerate(zip(lengths, rows)):
+        per_row = -(-length // C)
+        for r in range(count):
+            for k in range(per_row):
+                start = r * length + k * C
+                want += [i, start // align, min(start + C, (r + 1) * length)]
+        pieces += [per_row] * count
+    work, programs, got_pieces, per_tensor, starts = counting._row_work.__wrapped__(
+        lengths, rows, align, torch.device("cpu"), 0)
+    assert work.tolist() == want and programs == len(want) // 3 and got_pieces.tolist() == pieces
+    assert per_tensor.tolist() == list(rows) and starts == tuple(sum(rows[:i]) for i in range(len(rows)))
+
+
 def test_torch_ops_count_where_the_kernel_cannot_serve(monkeypatch):
     calls = []
     monkeypatch.setattr(counting, "_kernel", lambda: calls.append(1))

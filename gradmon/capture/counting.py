@@ -154,20 +154,21 @@ def _row_work(lengths: Tuple[int, ...], rows: Tuple[int, ...], align: int, devic
     """(the flat (tensor, start / align, end) rows of every piece of every batch row, on
     ``device``; their number; the pieces of each row, and the rows of each tensor, on
     ``device``; each tensor's first row among all). The same few layouts come back every
-    step: built and copied once each."""
-    work: List[int] = []
-    pieces: List[int] = []
-    for i, (length, count) in enumerate(zip(lengths, rows)):
-        per_row = -(-length // CHUNK)
-        for r in range(count):
-            first = r * length
-            for k in range(per_row):
-                start = first + k * CHUNK
-                work += (i, start // align, min(start + CHUNK, first + length))
-        pieces += [per_row] * count
+    step: built and copied once each; built by tensor ops, so that a new layout (a batch
+    of another shape) costs the same few operations however many pieces it has."""
+    length, count = torch.tensor(lengths, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
+    per_row = (length + CHUNK - 1) // CHUNK
+    per_tensor = count * per_row
+    tensor = torch.repeat_interleave(torch.arange(len(lengths)), per_tensor)
+    first_piece = torch.cumsum(per_tensor, 0) - per_tensor
+    j = torch.arange(len(tensor)) - first_piece[tensor]  # a piece's place within its tensor
+    n, p = length[tensor], per_row[tensor]
+    start = j // p * n + j % p * CHUNK
+    end = torch.minimum(start + CHUNK, (j // p + 1) * n)
+    work = torch.stack((tensor, start // align, end), dim=1).reshape(-1)
+    pieces = torch.repeat_interleave(per_row, count)
     starts = tuple(itertools.accumulate(rows, initial=0))[:-1]
-    return (_to_device(tuple(work), device), len(work) // 3, _to_device(tuple(pieces), device),
-            _to_device(tuple(rows), device), starts)
+    return _on(work, device), len(tensor), _on(pieces, device), _on(count, device), starts
 
 
 @functools.lru_cache(maxsize=8)
@@ -238,10 +239,14 @@ def _offset_table(offsets: Tuple[int, ...], device: torch.device, stream: int) -
     return _to_device(offsets, device)
 
 
+def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``, as :func:`_to_device` copies."""
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
 def _to_device(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device``, by a non-blocking copy from pinned
     memory: the host never waits. The caching host allocator does not hand the pinned
     block out again before the copy has run (the copy records an event on it), so a later
     step cannot overwrite a table still in flight."""
-    host = torch.tensor(values, dtype=torch.int64)
-    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+    return _on(torch.tensor(values, dtype=torch.int64), device)
