@@ -4,10 +4,11 @@ not grow with the layers; the guarantees that cost paid for before still hold.""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import pytest
 import torch
@@ -327,6 +328,7 @@ def test_a_large_output_waits_only_once_a_forward_showed_it_alive_and_unchanged_
     assert not checks.defer(3, changed)
     changed.add_(1)
     assert checks.flush(checks.take(), []) == []
+    checks.weigh()  # the pass's end
     assert checks.held == {1} and checks.settled == set()
     assert checks.wait(1, kept) and not checks.wait(2, kept) and not checks.wait(3, kept)
     records = _Records(keyed=False)
@@ -352,6 +354,7 @@ def test_small_and_held_outputs_of_one_forward_are_checked_in_their_own_batches(
     for key, t in outs.items():
         assert not checks.defer(key, t)
     checks.flush(checks.take(), [])
+    checks.weigh()
     assert checks.settled == {1, 3} and checks.held == {2, 4}
     for key, t in outs.items():
         assert checks.wait(key, t)
@@ -364,18 +367,17 @@ def test_small_and_held_outputs_of_one_forward_are_checked_in_their_own_batches(
     assert by_key[5][0] == outs[4].numel() and by_key[5][2] == outs[4].max().double()  # the last output's
 
 
-def test_a_forward_that_raises_leaves_no_block_output_held(monkeypatch):
-    """Out of memory in a late block, say: the outputs that waited for the end of the forward
-    are not held after it, so that a retry finds their memory free; the next forward is
-    measured as usual."""
-    import weakref
-
+@contextlib.contextmanager
+def _held_chain(monkeypatch, blocks: int):
+    """(model, its input, a training step, the monitor, the held checks' calls): ``blocks``
+    blocks of Linear(64, 64) + Tanh whose outputs count large, three steps in: every block's
+    output held (saved by the next Linear; the last one returned)."""
     from gradmon.capture.records import DEFER_MAX
 
-    served = []
+    served: List[Optional[int]] = []
     _heavy_on_the_cpu(monkeypatch, served)
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(blocks)))
     x = torch.randn(DEFER_MAX // 64 + 8, 64)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
@@ -387,7 +389,33 @@ def test_a_forward_that_raises_leaves_no_block_output_held(monkeypatch):
     try:
         for _ in range(3):
             step()
-        assert mon._recorder._rec.blocks.held == {1, 2, 3, 4}
+        assert mon._recorder._rec.blocks.held == set(range(1, blocks + 1))
+        yield model, x, step, mon, served
+    finally:
+        mon.detach()
+
+
+def test_a_held_output_that_autograd_stops_keeping_is_held_no_more(monkeypatch):
+    """Block 2's output is saved by block 3's Linear while that Linear trains; frozen, it
+    saves nothing (its input's gradient needs only its weight): the output is then held by
+    gradmon alone, and from the next forward on its hook checks it again (and the probe
+    finds it freed). The last block's output stays held: the root returns it."""
+    with _held_chain(monkeypatch, 3) as (model, x, step, mon, served):
+        blocks = mon._recorder._rec.blocks
+        model[2][0].requires_grad_(False)  # block 3's Linear: block 2's output is no longer saved
+        step()
+        assert blocks.held == {1, 3}
+        step()
+        assert blocks.held == {1, 3} and sum(mon._errors.counts().values()) == 0
+
+
+def test_a_forward_that_raises_leaves_no_block_output_held(monkeypatch):
+    """Out of memory in a late block, say: the outputs that waited for the end of the forward
+    are not held after it, so that a retry finds their memory free; the next forward is
+    measured as usual."""
+    import weakref
+
+    with _held_chain(monkeypatch, 4) as (model, x, step, mon, served):
         kept = []
         hooks = [model[0].register_forward_hook(lambda m, i, out: kept.append(weakref.ref(out))),
                  model[2].register_forward_hook(lambda m, i, out: 1 / 0)]
@@ -402,8 +430,6 @@ def test_a_forward_that_raises_leaves_no_block_output_held(monkeypatch):
         served.clear()
         step()
         assert served == [4]
-    finally:
-        mon.detach()
 
 
 @pytest.mark.parametrize("case", ["mixed dtypes", "a NaN", "an Inf"])

@@ -183,7 +183,8 @@ class BlockChecks:
     showed it alive at its end through a weak reference (:attr:`held`): kept by autograd
     for the backward (the next block's first layer saves its input), holding it until the
     end of the forward costs no memory; one that the forward frees (inference, a consumer
-    that saves nothing) goes on being checked in its hook.
+    that saves nothing) goes on being checked in its hook, and one held that autograd no
+    longer keeps (seen at the end of each forward) is held no more after that forward.
 
     The hook of a block already deferred keeps its output after two cheap tests
     (:meth:`wait`); whether it is a plain tensor (:meth:`plain`) is asked at the end of
@@ -249,21 +250,27 @@ class BlockChecks:
         """The waiting outputs to check now, those found changed since their block returned
         left out (their blocks go back to their hooks' checks); learns which probed blocks
         may wait from now on. Nothing is held after."""
-        waiting, probing, weighing = self.waiting, self.probing, self.weighing
-        self.drop()
+        waiting, probing = self.waiting, self.probing
+        self.waiting, self.probing = [], []
         for key, t, version in probing:
             if t._version == version:
                 self.settled.add(key)
-        for key, ref, version in weighing:
-            t = ref()
-            if t is not None and t._version == version:
-                self.held.add(key)
         if waiting and list(map(_VERSION, map(_OUTPUT, waiting))) != list(map(_VERSION_THEN, waiting)):
             changed = [key for key, t, version in waiting if t._version != version]
             self.settled.difference_update(changed)
             self.held.difference_update(changed)
             waiting = [entry for entry in waiting if entry[1]._version == entry[2]]
         return waiting
+
+    def weigh(self) -> None:
+        """At the end of a pass, once gradmon holds none of its tensors: the heavy outputs
+        checked in their hooks whose memory something else keeps (autograd, for the
+        backward) and that stayed unchanged may wait from the next forward on."""
+        weighing, self.weighing = self.weighing, []
+        for key, ref, version in weighing:
+            t = ref()
+            if t is not None and t._version == version:
+                self.held.add(key)
 
     def flush(self, waiting: Sequence[Tuple[int, torch.Tensor, int]], into: Sequence[Tuple[Statistic, "_Records"]],
               alias: Sequence[int] = (), rows: Optional["BatchRows"] = None) -> List[Tuple[int, torch.Tensor]]:
@@ -321,6 +328,10 @@ class BlockChecks:
         else, or where the kernel cannot serve, the (key, output) to be checked one by one,
         their blocks back to their hooks' checks."""
         keys, tensors = [entry[0] for entry in held], list(map(_OUTPUT, held))
+        # one that nothing but gradmon holds now would have been freed (a later layer frozen
+        # since it was weighed): held no more from the next forward. The last is exempt: the
+        # root may be returning it, and it was made last, so holding it cost nothing
+        self.held.difference_update(key for key, t in zip(keys[:-1], tensors[:-1]) if _held_by_nothing_else(t))
         per_row: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]] = []
         made = None
         if len(into) == 1 and into[0][0] is S.BLOCK_FINITE:
@@ -334,6 +345,13 @@ class BlockChecks:
             rows.add(keys, per_row)
         _add_rows(into[0][1], keys, list(map(torch.Tensor.numel, tensors)), parts, order, alias)
         return []
+
+
+def _held_by_nothing_else(t: torch.Tensor) -> bool:
+    """Whether no C++ owner (autograd's saved tensors, a view's base link) holds ``t``, only
+    Python references: torch's use count of its TensorImpl, where this torch has one."""
+    use_count = getattr(t, "_use_count", None)
+    return use_count is not None and use_count() == 1
 
 
 def _add_rows(records: "_Records", every_key: Sequence[int], every_numel: Sequence[int], parts: Sequence[torch.Tensor],
@@ -557,8 +575,10 @@ class StepRecords:
             records.drop_pending()
 
     def end_of_pass(self) -> None:
-        """A forward or backward pass ended: the last tensors recorded are held no longer."""
+        """A forward or backward pass ended: the last tensors recorded are held no longer,
+        and then the heavy block outputs are weighed (``BlockChecks.weigh``)."""
         self._last.clear()
+        self.blocks.weigh()
 
     def commit(self, records: Iterable[_Records], stage: str) -> None:
         """Commit each statistic's pending records; one whose raw records fail to combine
