@@ -126,12 +126,13 @@ SIZES = {"reference": dict(vocab=2048, d=256, depth=6, heads=4, seq=128, batch=8
 # Set by main(): where and how every copy trains. On a GPU, bf16 autocast and fused AdamW,
 # as production jobs run; each step ends with a device synchronize, so a step's time is
 # the device's as well as the host's.
-SETUP = dict(size="reference", device="cpu", bf16=False, fused=False)
+SETUP = dict(size="reference", device="cpu", bf16=False, fused=False, batch=0)  # batch 0: the size's own
 
 
 def make_training(seed: int = 0, compiled: bool = False):
     shape = dict(SIZES[SETUP["size"]])
     batch, vocab, seq = shape.pop("batch"), shape["vocab"], shape["seq"]
+    batch = SETUP["batch"] or batch
     device = torch.device(SETUP["device"])
     torch.manual_seed(seed)
     model = GPT(**shape).to(device)
@@ -278,12 +279,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="reference")
     p.add_argument("--bf16", action="store_true", help="train under bf16 autocast")
     p.add_argument("--fused", action="store_true", help="fused AdamW (a CUDA kernel)")
+    p.add_argument("--batch", type=int, default=0,
+                   help="sequences a step (default: the size's own; a GPU step with more is bound by the device "
+                        "rather than by the host's launches)")
     p.add_argument("--back-to-back", action="store_true",
                    help="each round runs a copy's steps one after another and flushes once (copies still take "
                         "turns by round): the fold overlaps the next step, as in a job; default: copies take turns "
                         "every step and each step waits for its own fold (an upper bound)")
     args = p.parse_args(argv)
-    SETUP.update(size=args.size, device=args.device, bf16=args.bf16, fused=args.fused)
+    SETUP.update(size=args.size, device=args.device, bf16=args.bf16, fused=args.fused, batch=args.batch)
     if args.quick:
         args.rounds, args.steps, args.discard, args.memory_steps = 1, 2, 1, 2
     torch.set_num_threads(args.threads)
@@ -298,7 +302,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         VARIANTS["gradmon_options"] = _gradmon(**dict(_option(kv) for kv in args.options))
         names.append("gradmon_options")
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, {where}, model {args.size}{', bf16 autocast' if args.bf16 else ''}"
+    print(f"torch {torch.__version__}, {where}, model {args.size}{f', batch {args.batch}' if args.batch else ''}"
+          f"{', bf16 autocast' if args.bf16 else ''}"
           f"{', fused AdamW' if args.fused else ''}, {args.threads} threads, {args.rounds} rounds x {args.steps} steps "
           f"of every copy, {'back to back, copies in turn by round' if args.back_to_back else 'interleaved step by step'}",
           flush=True)
