@@ -144,9 +144,15 @@ def test_the_row_pieces_are_every_row_cut_into_chunks_in_order(lengths, rows, al
                 want += [i, start // align, min(start + C, (r + 1) * length)]
         pieces += [per_row] * count
     work, programs, got_pieces, per_tensor, starts = counting._row_work.__wrapped__(
-        lengths, rows, align, torch.device("cpu"), 0)
-    assert work.tolist() == want and programs == len(want) // 3 and got_pieces.tolist() == pieces
+        ((lengths, rows, align),), torch.device("cpu"), 0)
+    assert work.tolist() == want and programs == (len(want) // 3,) and got_pieces.tolist() == pieces
     assert per_tensor.tolist() == list(rows) and starts == tuple(sum(rows[:i]) for i in range(len(rows)))
+    # a second group after it: its pieces follow, its tensors numbered from 0, its rows after the first's
+    work2, programs2, pieces2, _, starts2 = counting._row_work.__wrapped__(
+        ((lengths, rows, align), ((C,), (3,), 1)), torch.device("cpu"), 0)
+    assert work2.tolist() == want + [0, 0, C, 0, C, 2 * C, 0, 2 * C, 3 * C]
+    assert programs2 == (len(want) // 3, 3) and pieces2.tolist() == pieces + [1, 1, 1]
+    assert starts2 == starts + (sum(rows),)
 
 
 def test_torch_ops_count_where_the_kernel_cannot_serve(monkeypatch):
@@ -437,26 +443,30 @@ def row_groups(device: str) -> List[tuple]:
 
 
 def row_extremes_through_the_kernel() -> dict:
-    """Under the interpreter: ``counting.row_extremes`` against ``torch.aminmax`` by row."""
+    """Under the interpreter: ``counting.row_extremes`` of every group at once (a launch each,
+    one buffer) against ``torch.aminmax`` by row."""
     bad = []
-    for group, rows in row_groups("cpu"):
-        made = counting.row_extremes(group, rows, interpreted=True)
-        if made is None:
-            bad.append(f"{group[0].dtype} {rows}: not served")
-            continue
-        whole, by_row, starts = made
-        for i, (t, r) in enumerate(zip(group, rows)):
-            lo, hi = torch.aminmax(t.float().reshape(r, -1), dim=1)
-            want = torch.stack((lo, hi), 1)
-            got = by_row[starts[i]:starts[i] + r]
-            whole_want = torch.stack((lo.min(), hi.max())) if not want.isnan().any() else None
-            if not torch.equal(got.isnan(), want.isnan()) or not torch.equal(got.nan_to_num(), want.nan_to_num()):
-                bad.append(f"{t.dtype} tensor {i} rows: {got.tolist()} != {want.tolist()}")
-            if whole_want is not None and not torch.equal(whole[i], whole_want):
-                bad.append(f"{t.dtype} tensor {i} whole: {whole[i].tolist()} != {whole_want.tolist()}")
-            if whole_want is None and not whole[i].isnan().all():
-                bad.append(f"{t.dtype} tensor {i} whole: {whole[i].tolist()} is not NaN")
-    return {"mismatches": bad, "groups": len(row_groups("cpu"))}
+    every = row_groups("cpu")
+    made = counting.row_extremes([group for group, _ in every], [rows for _, rows in every], interpreted=True)
+    if made is None:
+        return {"mismatches": ["not served"], "groups": len(every)}
+    whole, by_row, starts = made
+    tensors = [(t, r) for group, rows in every for t, r in zip(group, rows)]
+    if len(whole) != len(tensors) or len(starts) != len(tensors):
+        return {"mismatches": [f"{len(whole)} wholes, {len(starts)} starts for {len(tensors)} tensors"],
+                "groups": len(every)}
+    for i, (t, r) in enumerate(tensors):
+        lo, hi = torch.aminmax(t.float().reshape(r, -1), dim=1)
+        want = torch.stack((lo, hi), 1)
+        got = by_row[starts[i]:starts[i] + r]
+        whole_want = torch.stack((lo.min(), hi.max())) if not want.isnan().any() else None
+        if not torch.equal(got.isnan(), want.isnan()) or not torch.equal(got.nan_to_num(), want.nan_to_num()):
+            bad.append(f"{t.dtype} tensor {i} rows: {got.tolist()} != {want.tolist()}")
+        if whole_want is not None and not torch.equal(whole[i], whole_want):
+            bad.append(f"{t.dtype} tensor {i} whole: {whole[i].tolist()} != {whole_want.tolist()}")
+        if whole_want is None and not whole[i].isnan().all():
+            bad.append(f"{t.dtype} tensor {i} whole: {whole[i].tolist()} is not NaN")
+    return {"mismatches": bad, "groups": len(every)}
 
 
 if __name__ == "__main__":  # the interpreter's child process (TRITON_INTERPRET=1)

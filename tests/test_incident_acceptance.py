@@ -73,7 +73,7 @@ def test_on_cuda_outputs_held_to_the_end_of_the_forward_name_the_step_the_block_
     monkeypatch.setattr(records, "DEFER_MAX", 64)
     launches = []
     real = counting.row_extremes
-    monkeypatch.setattr(counting, "row_extremes", lambda group, rows: launches.append(len(group)) or real(group, rows))
+    monkeypatch.setattr(counting, "row_extremes", lambda groups, rows: launches.append(sum(map(len, groups))) or real(groups, rows))
     b = bundle_of(attach, monkeypatch, tmp_path, scenario, "cuda")
     assert b.meta["incident"]["step"] == W.STEP and b.meta["incident"]["block"] == block
     assert b.meta["rows"] == {"known": True, "rows": [W.ROW], "block": block, "reason": None}

@@ -112,32 +112,41 @@ def _layout(group: Sequence[torch.Tensor], interpreted: bool, pieces: Tuple[int,
     return addresses, itemsize, 16 // itemsize if aligned else 1
 
 
-def row_extremes(group: Sequence[torch.Tensor], rows: Sequence[int], interpreted: bool = False
+def row_extremes(groups: Sequence[Sequence[torch.Tensor]], rows: Sequence[Sequence[int]], interpreted: bool = False
                  ) -> Optional[Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]]:
-    """(whole, by_row, starts) of ``group`` (tensors of one device and dtype, none empty),
-    tensor i cut into ``rows[i]`` equal rows (its batch, or 1): ``whole`` the (n, 2)
-    float32 [min, max] of each tensor, ``by_row[starts[i] + r]`` the [min, max] of row r
-    of tensor i. NaN propagates and an Inf keeps its sign, as ``torch.aminmax``. One
-    kernel launch (pieces of at most :data:`CHUNK` elements of a row each) and two
-    reductions by segment; None, with nothing launched, where the kernel cannot serve."""
+    """(whole, by_row, starts) of the tensors of ``groups`` (each of one dtype, all on one
+    device, none empty), taken in order, group after group: tensor i cut into ``rows``' i-th
+    count of equal rows (its batch, or 1); ``whole`` the (n, 2) float32 [min, max] of each
+    tensor, ``by_row[starts[i] + r]`` the [min, max] of row r of tensor i. NaN propagates
+    and an Inf keeps its sign, as ``torch.aminmax``. One kernel launch a group (pieces of at
+    most :data:`CHUNK` elements of a row each) into one buffer, then two reductions by
+    segment for all; None, with nothing launched, where the kernel cannot serve them all."""
     if _failed:
         return None
     try:
-        numels = tuple(map(torch.Tensor.numel, group))
-        lengths = tuple(map(operator.floordiv, numels, rows))
-        layout = _layout(group, interpreted, lengths)
+        layouts = []
+        for group, counts in zip(groups, rows):
+            lengths = tuple(map(operator.floordiv, map(torch.Tensor.numel, group), counts))
+            layout = _layout(group, interpreted, lengths)
+            if layout is None:
+                return None
+            layouts.append((lengths, tuple(counts), layout))
         kernel = _kernel("row_extremes")
-        if layout is None or kernel is None:
+        if kernel is None:
             return None
-        addresses, itemsize, align = layout
-        device = group[0].device
+        device = groups[0][0].device
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        work, programs, pieces, per_tensor, starts = _row_work(lengths, tuple(rows), align, device, stream)
-        out = torch.empty((programs, 2), dtype=torch.float32, device=device)
-        offsets = _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[0]))), device, stream)
+        work, programs, pieces, per_tensor, starts = _row_work(
+            tuple((lengths, counts, layout[2]) for lengths, counts, layout in layouts), device, stream)
+        out = torch.empty((sum(programs), 2), dtype=torch.float32, device=device)
+        at = 0
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            kernel[(programs,)](group[0], offsets, work, out, ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK, CHUNK=CHUNK,
-                                enable_fp_fusion=False)
+            for group, (_, _, (addresses, itemsize, align)), n in zip(groups, layouts, programs):
+                offsets = _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[0]))),
+                                        device, stream)
+                kernel[(n,)](group[0], offsets, work[3 * at:], out[at:], ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK,
+                             CHUNK=CHUNK, enable_fp_fusion=False)
+                at += n
         # [min, -max]: one min by segment takes every row, then every tensor
         by_row = torch.segment_reduce(out, "min", lengths=pieces, axis=0, unsafe=True)
         whole = torch.segment_reduce(by_row, "min", lengths=per_tensor, axis=0, unsafe=True)
@@ -149,26 +158,33 @@ def row_extremes(group: Sequence[torch.Tensor], rows: Sequence[int], interpreted
 
 
 @functools.lru_cache(maxsize=64)
-def _row_work(lengths: Tuple[int, ...], rows: Tuple[int, ...], align: int, device: torch.device, stream: int
-              ) -> Tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, Tuple[int, ...]]:
-    """(the flat (tensor, start / align, end) rows of every piece of every batch row, on
-    ``device``; their number; the pieces of each row, and the rows of each tensor, on
+def _row_work(layouts: Tuple[Tuple[Tuple[int, ...], Tuple[int, ...], int], ...], device: torch.device, stream: int
+              ) -> Tuple[torch.Tensor, Tuple[int, ...], torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """For groups of (row lengths, rows, align): (the flat (tensor i within its group, start /
+    align, end) rows of every piece of every batch row, group after group, on ``device``;
+    each group's number of pieces; the pieces of each row and the rows of each tensor, on
     ``device``; each tensor's first row among all). The same few layouts come back every
     step: built and copied once each; built by tensor ops, so that a new layout (a batch
     of another shape) costs the same few operations however many pieces it has."""
-    length, count = torch.tensor(lengths, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
-    per_row = (length + CHUNK - 1) // CHUNK
-    per_tensor = count * per_row
-    tensor = torch.repeat_interleave(torch.arange(len(lengths)), per_tensor)
-    first_piece = torch.cumsum(per_tensor, 0) - per_tensor
-    j = torch.arange(len(tensor)) - first_piece[tensor]  # a piece's place within its tensor
-    n, p = length[tensor], per_row[tensor]
-    start = j // p * n + j % p * CHUNK
-    end = torch.minimum(start + CHUNK, (j // p + 1) * n)
-    work = torch.stack((tensor, start // align, end), dim=1).reshape(-1)
-    pieces = torch.repeat_interleave(per_row, count)
-    starts = tuple(itertools.accumulate(rows, initial=0))[:-1]
-    return _on(work, device), len(tensor), _on(pieces, device), _on(count, device), starts
+    works, pieces, counts, programs = [], [], [], []
+    for lengths, rows, align in layouts:
+        length, count = torch.tensor(lengths, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
+        per_row = (length + CHUNK - 1) // CHUNK
+        per_tensor = count * per_row
+        tensor = torch.repeat_interleave(torch.arange(len(lengths)), per_tensor)
+        first_piece = torch.cumsum(per_tensor, 0) - per_tensor
+        j = torch.arange(len(tensor)) - first_piece[tensor]  # a piece's place within its tensor
+        n, p = length[tensor], per_row[tensor]
+        start = j // p * n + j % p * CHUNK
+        end = torch.minimum(start + CHUNK, (j // p + 1) * n)
+        works.append(torch.stack((tensor, start // align, end), dim=1).reshape(-1))
+        pieces.append(torch.repeat_interleave(per_row, count))
+        counts.append(count)
+        programs.append(len(tensor))
+    every_row = [r for _, rows, _ in layouts for r in rows]
+    starts = tuple(itertools.accumulate(every_row, initial=0))[:-1]
+    return (_on(torch.cat(works), device), tuple(programs), _on(torch.cat(pieces), device),
+            _on(torch.cat(counts), device), starts)
 
 
 @functools.lru_cache(maxsize=8)

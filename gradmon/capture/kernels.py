@@ -625,18 +625,23 @@ def extremes_held(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
                   rows: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]] = None
                   ) -> Optional[Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]]:
     """:func:`extremes_many`'s result for large CUDA tensors (the top-level blocks' outputs
-    a forward keeps until its end anyway): each device and dtype's tensors reduced by
-    batch row (where they have the batch's rows; else whole) in one kernel launch
+    a forward keeps until its end anyway): reduced by batch row (where they have the batch's
+    rows; else whole), one kernel launch per dtype and two reductions for all of a device
     (:func:`counting.row_extremes`), where a check in each block's hook cost a launch and
     its Python apiece. None where the kernel cannot serve every group."""
     groups = _groups(tensors, (), split_small=False)
+    by_device: Dict[torch.device, List[List[int]]] = defaultdict(list)
+    for (device, _dtype, _small), idx in groups.items():
+        by_device[device].append(idx)
     ship = _ship_dtype(home)
     wholes: List[torch.Tensor] = []
     order: List[int] = []
-    for idx in groups.values():
-        group = [tensors[i] for i in idx]
-        cut = [has_rows(t, batch) for t in group]
-        made = counting.row_extremes(group, [batch if c else 1 for c in cut])  # type: ignore[misc]
+    for dtype_groups in by_device.values():
+        idx = list(itertools.chain.from_iterable(dtype_groups))
+        cut = [has_rows(tensors[i], batch) for i in idx]
+        counts = iter([batch if c else 1 for c in cut])
+        made = counting.row_extremes([[tensors[i] for i in group] for group in dtype_groups],
+                                     [[next(counts) for _ in group] for group in dtype_groups])
         if made is None:
             return None
         whole, by_row, starts = made
