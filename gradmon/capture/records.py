@@ -197,7 +197,7 @@ class BlockChecks:
         self.waiting: List[Tuple[int, torch.Tensor, int]] = []  # (block key, output, its version then)
         self.probing: List[Tuple[int, torch.Tensor, int]] = []  # checked in the hook, watched for a change
         self.settled: set = set()  # block keys whose small outputs may wait
-        self.weighing: List[Tuple[int, "weakref.ref[torch.Tensor]", int]] = []  # heavy ones checked, watched
+        self.weighing: List[Tuple[int, "weakref.ref[torch.Tensor]", int]] = []  # heavy ones checked, weighed
         self.held: set = set()  # block keys whose heavy outputs may wait
 
     @staticmethod
@@ -233,8 +233,8 @@ class BlockChecks:
 
     def wait(self, key: int, t: torch.Tensor) -> bool:
         """Keep ``t`` (a torch.Tensor) of a block already known to stay unchanged, unless it
-        is too large to hold until the end of the forward; False where :meth:`defer` must
-        decide."""
+        is too large to hold until the end of the forward (a block whose output is
+        :attr:`held` is not asked); False where :meth:`defer` must decide."""
         if key in self.held or (key in self.settled and t.numel() <= DEFER_MAX):
             self.waiting.append((key, t, t._version))
             return True
