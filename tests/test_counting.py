@@ -90,7 +90,8 @@ def test_the_kernel_counts_exactly_under_tritons_interpreter():
         "mismatches": [], "groups": len(groups("cpu")),
         "param_grad_stats": {"served": 4, "equal": True},  # bf16 and float32, large and small
         "norms": {"mismatches": [], "groups": len(groups("cpu")), "fused_rows": True, "unservable": None},
-        "rows": {"mismatches": [], "groups": len(row_groups("cpu"))}}
+        "rows": {"mismatches": [], "groups": len(row_groups("cpu"))},
+        "held": {"mismatches": [], "order": [0, 1, 2, 3]}}
 
 
 @needs_triton
@@ -469,7 +470,45 @@ def row_extremes_through_the_kernel() -> dict:
     return {"mismatches": bad, "groups": len(every)}
 
 
+def held_through_the_kernel() -> dict:
+    """Under the interpreter: ``kernels.extremes_held`` of float32 and bf16 outputs, some with
+    the batch's rows and one without (taken whole), against ``torch.aminmax``: each output's
+    own pair in the returned order, and each batch row's pair where the rows are kept."""
+    batch = 4
+    gen = torch.Generator().manual_seed(5)
+    outs = [torch.randn(batch, 3 * C + 7, generator=gen), torch.randn(batch, 900, generator=gen).bfloat16(),
+            torch.randn(7, C + 1, generator=gen), torch.randn(batch, 2 * C, generator=gen).bfloat16()]
+    outs[0][2, 5] = float("nan")
+    outs[3][1, -1] = float("-inf")
+    real = counting.row_extremes
+    counting.row_extremes = lambda groups, rows: real(groups, rows, interpreted=True)
+    kept: list = []
+    made = stats.extremes_held(outs, torch.device("cpu"), batch, kept)
+    counting.row_extremes = real
+    if made is None:
+        return {"mismatches": ["not served"]}
+    lo, hi, order = made
+    bad = []
+    for j, i in enumerate(order):
+        want = torch.aminmax(outs[i].float())
+        got = torch.stack((lo[j, 0], hi[j, 0])).float()
+        if not torch.equal(got.nan_to_num(), torch.stack(want).nan_to_num()) or got.isnan().any() != (i == 0):
+            bad.append(f"output {i}: {got.tolist()} != {[w.item() for w in want]}")
+    rows_seen = set()
+    for idx, block, starts in kept:
+        for i, start in zip(idx, starts):
+            rows_seen.add(i)
+            want = torch.stack(torch.aminmax(outs[i].float().reshape(batch, -1), dim=1), dim=1)
+            got = block[start:start + batch]
+            if not (torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())):
+                bad.append(f"output {i} rows: {got.tolist()} != {want.tolist()}")
+    if rows_seen != {0, 1, 3}:
+        bad.append(f"rows kept for {sorted(rows_seen)}")
+    return {"mismatches": bad, "order": sorted(order)}
+
+
 if __name__ == "__main__":  # the interpreter's child process (TRITON_INTERPRET=1)
     print(json.dumps({"mismatches": mismatches("cpu", interpreted=True), "groups": len(groups("cpu")),
                       "param_grad_stats": param_grad_stats_through_the_kernel(),
-                      "norms": norms_through_the_kernel(), "rows": row_extremes_through_the_kernel()}))
+                      "norms": norms_through_the_kernel(), "rows": row_extremes_through_the_kernel(),
+                      "held": held_through_the_kernel()}))

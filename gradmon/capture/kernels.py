@@ -638,15 +638,14 @@ def extremes_held(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
     order: List[int] = []
     for dtype_groups in by_device.values():
         idx = list(itertools.chain.from_iterable(dtype_groups))
-        cut = [has_rows(tensors[i], batch) for i in idx]
-        counts = iter([batch if c else 1 for c in cut])
+        cut = {i: has_rows(tensors[i], batch) for i in idx}
         made = counting.row_extremes([[tensors[i] for i in group] for group in dtype_groups],
-                                     [[next(counts) for _ in group] for group in dtype_groups])
+                                     [[batch if cut[i] else 1 for i in group] for group in dtype_groups])
         if made is None:
             return None
         whole, by_row, starts = made
-        if rows is not None and any(cut):
-            rows.append((tuple(i for i, c in zip(idx, cut) if c), by_row, tuple(st for st, c in zip(starts, cut) if c)))
+        if rows is not None and any(cut.values()):
+            rows.append((tuple(i for i in idx if cut[i]), by_row, tuple(st for i, st in zip(idx, starts) if cut[i])))
         wholes.append(whole.to(home, ship, non_blocking=True))
         order.extend(idx)
     whole = wholes[0] if len(wholes) == 1 else torch.cat(wholes)
