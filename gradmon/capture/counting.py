@@ -67,7 +67,6 @@ def norms_and_counts(groups: Sequence[Sequence[torch.Tensor]], interpreted: bool
     :func:`nonfinite_counts`). The norm is summed in float32 within a chunk of
     :data:`CHUNK` elements and in float64 across them; a NaN element makes it NaN and an
     Inf one Inf (or NaN), as ``torch.linalg.vector_norm`` in float32 does."""
-    global _failed
     if _failed:
         return None
     try:
@@ -135,17 +134,15 @@ def row_extremes(groups: Sequence[Sequence[torch.Tensor]], rows: Sequence[Sequen
         if kernel is None:
             return None
         device = groups[0][0].device
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        stream = _stream(device)
         work, programs, pieces, per_tensor, starts = _row_work(
             tuple((lengths, counts, layout[2]) for lengths, counts, layout in layouts), device, stream)
         out = torch.empty((sum(programs), 2), dtype=torch.float32, device=device)
         at = 0
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with _on_its_device(device):
             for group, (_, _, (addresses, itemsize, align)), n in zip(groups, layouts, programs):
-                offsets = _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[0]))),
-                                        device, stream)
-                kernel[(n,)](group[0], offsets, work[3 * at:], out[at:], ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK,
-                             CHUNK=CHUNK, enable_fp_fusion=False)
+                kernel[(n,)](group[0], _offsets(addresses, 0, device, stream), work[3 * at:], out[at:],
+                             ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK, CHUNK=CHUNK, enable_fp_fusion=False)
                 at += n
         # [min, -max]: one min by segment takes every row, then every tensor
         by_row = torch.segment_reduce(out, "min", lengths=pieces, axis=0, unsafe=True)
@@ -216,9 +213,7 @@ def available() -> bool:
 def _launch(group: Sequence[torch.Tensor], addresses: Tuple[int, ...], itemsize: int, align: int,
             squares: bool) -> torch.Tensor:
     kernel, device = _kernel(), group[0].device
-    # The cached tables are kept per stream: one made (copied) on another stream would not
-    # be ordered before this launch, nor its memory's reuse after it.
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = _stream(device)
     numels = tuple(map(torch.Tensor.numel, group))
     work, programs = _work(numels, device, stream)
     out = (torch.zeros((len(group), 3), dtype=torch.float64, device=device) if squares
@@ -227,15 +222,30 @@ def _launch(group: Sequence[torch.Tensor], addresses: Tuple[int, ...], itemsize:
         # the base pointer is a tensor with elements: an empty one's may be null, which
         # Triton refuses as an argument
         base = next(i for i, n in enumerate(numels) if n)
-        offsets = _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[base]))), device, stream)
-        # Triton launches on the current device's current stream: the tensors' device,
-        # and the stream their memory is ordered on (as a torch op on them would be)
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with _on_its_device(device):
             # enable_fp_fusion: said, so that Triton does not warn the user about its default
             # (the squares' sum needs no fused multiply-add)
-            kernel[(programs,)](group[base], offsets, work, out, ITEMSIZE=itemsize, ALIGN=align, BLOCK=BLOCK,
-                                CHUNK=CHUNK, SQUARES=squares, enable_fp_fusion=False)
+            kernel[(programs,)](group[base], _offsets(addresses, base, device, stream), work, out, ITEMSIZE=itemsize,
+                                ALIGN=align, BLOCK=BLOCK, CHUNK=CHUNK, SQUARES=squares, enable_fp_fusion=False)
     return out
+
+
+def _stream(device: torch.device) -> int:
+    """The stream a launch on ``device`` is ordered on (its current one; 0 off CUDA). The
+    cached tables are kept per stream: one made (copied) on another stream would not be
+    ordered before this launch, nor its memory's reuse after it."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _on_its_device(device: torch.device) -> Any:
+    """Triton launches on the current device's current stream: the tensors' device, and the
+    stream their memory is ordered on (as a torch op on them would be)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _offsets(addresses: Tuple[int, ...], base: int, device: torch.device, stream: int) -> torch.Tensor:
+    """The byte offsets of ``addresses`` from ``addresses[base]``, on ``device`` (cached)."""
+    return _offset_table(tuple(map(operator.sub, addresses, itertools.repeat(addresses[base]))), device, stream)
 
 
 @functools.lru_cache(maxsize=64)

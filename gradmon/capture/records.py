@@ -285,8 +285,10 @@ class BlockChecks:
         if not waiting:
             return []
         alone: List[Tuple[int, torch.Tensor]] = []
-        numels = list(map(torch.Tensor.numel, map(_OUTPUT, waiting)))
-        if max(numels) > DEFER_MAX:
+        # a large output waits only where its block is held (none on the CPU): only then are
+        # the outputs asked their sizes here, where a model of thousands of blocks pays per output
+        numels = list(map(torch.Tensor.numel, map(_OUTPUT, waiting))) if self.held else ()
+        if numels and max(numels) > DEFER_MAX:
             last_held = numels[-1] > DEFER_MAX
             alone = self._flush_held([entry for entry, n in zip(waiting, numels) if n > DEFER_MAX], into,
                                      alias if last_held else (), rows)
