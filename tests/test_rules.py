@@ -353,6 +353,43 @@ def test_generated_files_match_the_definitions():
     assert alerting.main(["check", str(ROOT)]) == 0, "run `python -m gradmon.alerting write` and commit"
 
 
+def test_every_per_layer_counter_a_monitor_exports_has_its_nan_series_which_the_rules_read_for_it():
+    """GradmonNonFiniteGradients tells a target that exports per-layer counters by their
+    kind="nan" series alone (half the series to read, twice an evaluation): a monitor's
+    exposition must hold one for every layer and tensor it counts, an Inf count included."""
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    import gradmon
+
+    expr = next(r["expr"] for g in alerting.rule_groups()["groups"]
+                for r in g["rules"] if r.get("alert") == "GradmonNonFiniteGradients")
+    assert 'unless on(job, instance, model, rank) (gradmon_nonfinite_total{kind="nan"} or ' \
+           'gradmon_local_nonfinite_total{kind="nan"})' in expr
+    registry = CollectorRegistry()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gradmon.attach(model, registry=registry, ui=False, announce=False, final_scrape_timeout=0)
+    try:
+        for poison in (False, True):
+            x = torch.ones(2, 4)
+            if poison:
+                x[0, 0] = float("inf")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        mon.flush(30)
+        samples = [s for f in registry.collect() for s in f.samples
+                   if s.name in ("gradmon_nonfinite_total", "gradmon_local_nonfinite_total")]
+    finally:
+        mon.detach()
+    assert any(s.value > 0 for s in samples), "the poisoned step counted nothing"
+    counted = [s.labels for s in samples]
+    key = lambda labels: tuple(sorted((k, v) for k, v in labels.items() if k != "kind"))  # noqa: E731
+    nan = {key(labels) for labels in counted if labels["kind"] == "nan"}
+    assert nan and {key(labels) for labels in counted} == nan
+
+
 def test_promtool_accepts_the_rule_files():
     promtool = binary("promtool")
     for path in (RULES,):

@@ -17,10 +17,15 @@ def rank_nonfinite(t: Timing) -> str:
     """The ranks that export no per-layer counters (the replicas other than data-parallel
     rank 0): their always-present rank-level counters say that a rank's own gradient went
     non-finite, and the incident's origin gauge (a gauge: it may first appear mid-run)
-    adds the layer it started in; without an origin yet, the alert fires without a layer."""
+    adds the layer it started in; without an origin yet, the alert fires without a layer.
+    Whether a target exports per-layer counters is read from their ``kind="nan"`` half
+    alone: every layer's counters come in NaN/Inf pairs, and this check is read twice an
+    evaluation over every layer's series, the largest share of the rule's cost."""
+    half = f"{{kind=\"{M.NONFINITE_KINDS[0]}\"}}"
+    per_layer = f"{sample(M.NONFINITE)}{half} or {sample(M.LOCAL_NONFINITE)}{half}"
     counts = (f"(sum by ({TARGET}, tensor) (increase({sample(M.RANK_NONFINITE)}"
               f"{{tensor=~\"{M.TENSOR_GRAD_FLOW}|{M.TENSOR_LOCAL_GRAD}\"}}[{dur(t.nonfinite_window)}])) > 0\n"
-              f"  unless on({TARGET}) ({sample(M.NONFINITE)} or {sample(M.LOCAL_NONFINITE)}))")
+              f"  unless on({TARGET}) ({per_layer}))")
     origin = f"max by ({TARGET}, layer) ({M.NONFINITE_ORIGIN.name}{{tensor=\"{M.TENSOR_GRAD}\"}})"
     return (f"{counts}\n  * on({TARGET}) group_left(layer) ({origin} * 0 + 1)\n"
             f"or on({TARGET}, tensor)\n{counts}")
