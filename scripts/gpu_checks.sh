@@ -25,7 +25,9 @@ part() {  # part NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "$out/$name.log"
 }
 nvidia-smi -L; $py -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, torch.cuda.get_device_name())'
-part tests 120 $py -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_no_host_sync.py tests/test_stepguard.py tests/test_compile.py tests/test_statistics.py tests/test_counting.py
+# every file that holds a CUDA test (those marked `cuda`), found here rather than listed
+mapfile -t cuda_files < <(grep -l 'mark\.cuda' tests/test_*.py)
+part tests 150 $py -m pytest -q -p no:cacheprovider -m cuda -rs "${cuda_files[@]}"
 common=(--device cuda --size gpt2 --bf16 --fused)
 part overhead 190 $py bench/bench_overhead.py "${common[@]}" --compiled --variants unmonitored_twin gradmon_defaults --options 'guard="nonfinite"' --no-memory --rounds ${GPU_CHECK_ROUNDS:-10} --json "$out/overhead.json"
 TAIL=70 part launches 200 $py bench/bench_launches.py --size gpt2 --bf16 --fused --compiled
