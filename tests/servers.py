@@ -35,9 +35,10 @@ def binary(*names: str) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port the kernel handed out (bind to
+    0) is free only until the next outgoing connection takes it, and gloo's ranks in other
+    tests open many; one reused that way failed a rendezvous with EADDRINUSE."""
+    return free_port_range(1)
 
 
 def free_port_range(n: int) -> int:

@@ -504,16 +504,13 @@ def _run_ranks(args: argparse.Namespace, out) -> int:
     if taken:
         print(f"gradmon demo: {taken}", file=out, flush=True)
         return 1
-    with socket.socket() as s:  # a free port for the processes to meet on
-        s.bind(("127.0.0.1", 0))
-        master = s.getsockname()[1]
     print(f"gradmon demo: {args.ranks} ranks (DistributedDataParallel, gloo); rank 0 reports, every rank serves "
           "its own metrics", file=out, flush=True)
     with tempfile.TemporaryDirectory(prefix="gradmon-demo-") as folder:
         files = [Path(folder) / f"rank{r}.json" for r in range(args.ranks)]
         printed = False
         try:
-            context = mp.start_processes(_rank_main, args=(args, master, folder), nprocs=args.ranks, join=False,
+            context = mp.start_processes(_rank_main, args=(args, folder), nprocs=args.ranks, join=False,
                                          start_method="spawn")
             while not context.join(timeout=0.2):
                 if not printed and all(f.exists() for f in files):  # before any --hold
@@ -562,12 +559,14 @@ def _print_ranks(files: Sequence[Path], args: argparse.Namespace, out) -> bool:
     return True
 
 
-def _rank_main(rank: int, args: argparse.Namespace, master: int, folder: str) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, folder: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master}", rank=rank, world_size=args.ranks)
+    # A file to meet at, not a port: a port found free can be taken before rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{Path(folder) / 'rendezvous'}", rank=rank,
+                            world_size=args.ranks)
     try:
         names = layer_names(DemoNet())
         faults = [f for f in (Fault.parse(spec, names) for spec in args.fault) if f.rank in (None, rank)]
