@@ -249,3 +249,51 @@ def test_the_tracker_scores_a_signal_when_its_score_is_read():
     judged = t._scores["norm"]
     assert not isinstance(judged, float)
     assert t.scores["norm"] == judged.score and isinstance(t._scores["norm"], float)
+
+
+def _baseline_reference(values, window, min_steps, threshold, min_ratio):
+    """The per-layer baseline's recurrence as its docstring states it, one value at a time."""
+    alpha, state, out = 2.0 / (window + 1), None, []
+    for v in values:
+        if not (math.isfinite(v) and v > 0):
+            out.append(None)
+            continue
+        y = math.log(v)
+        if state is None:
+            state = [1.0, y, 0.0]
+            out.append(None)
+            continue
+        n, mean, dev = state
+        scale = max(1.4826 * dev, 0.05)
+        verdict, clipped = None, y
+        if n >= min_steps:
+            score = max(0.0, (y - mean) / scale)
+            verdict = (score, score > threshold and y - mean >= math.log(min_ratio))
+            clipped = min(max(y, mean - 3.0 * scale), mean + 3.0 * scale)
+        rate = max(alpha, 1.0 / (n + 1))
+        state = [n + 1, mean + rate * (clipped - mean), dev + rate * (abs(clipped - mean) - dev)]
+        out.append(verdict)
+    return out
+
+
+def test_every_layer_of_a_step_updated_at_once_matches_the_recurrence_one_layer_at_a_time():
+    from gradmon.aggregate.spikes import LayerBaselines
+
+    rng = random.Random(3)
+    layers, steps = 7, 400
+    series = [[rng.choice([math.nan, math.inf, -1.0, 0.0]) if rng.random() < 0.03 else
+               math.exp(rng.gauss(0, 0.3)) * (40.0 if rng.random() < 0.02 else 1.0) for _ in range(steps)]
+              for _ in range(layers)]
+    given = [[t for t in range(steps) if (k + t) % 5] for k in range(layers)]  # no value at some steps
+    expected = [dict(zip(given[k], _baseline_reference([series[k][t] for t in given[k]], 32, 8, 6.0, 3.0)))
+                for k in range(layers)]
+    baselines = LayerBaselines(window=32, min_steps=8, threshold=6.0, min_ratio=3.0)
+    spikes = 0
+    for t in range(steps):
+        present = [k for k in range(layers) if (k + t) % 5]
+        got = baselines.update_many(present, [series[k][t] for k in present])
+        scored = [expected[k][t] for k in present if expected[k][t] is not None]
+        assert (got.score, got.spike) == (max(s for s, _ in scored), any(p for _, p in scored)) if scored \
+            else got is None, t
+        spikes += bool(got and got.spike)
+    assert spikes > 0  # the sequence does reach the spike branch

@@ -132,7 +132,11 @@ class LayerBaselines:
     scores against the baseline before it enters it; an outlier enters clipped to the
     baseline's edge, so a spike lasting a few steps does not drag the baseline up behind
     it, while a lasting change of level is followed within a window. A layer is a spike
-    at a score above ``threshold`` that is also at least ``min_ratio`` times its baseline."""
+    at a score above ``threshold`` that is also at least ``min_ratio`` times its baseline.
+
+    A step's layers are updated in one loop over flat per-layer lists (:meth:`update_many`),
+    with no call or object per layer: this runs on the publisher thread at every step, and
+    its Python takes the interpreter lock from the training thread as models grow."""
 
     def __init__(self, window: int = 128, min_steps: int = 32, threshold: float = 6.0,
                  min_ratio: float = 3.0) -> None:
@@ -140,33 +144,55 @@ class LayerBaselines:
         self.min_steps = min_steps
         self.threshold = threshold
         self.log_ratio = math.log(min_ratio)
-        self._state: Dict[int, List[float]] = {}  # layer -> [values seen, mean, mean absolute deviation]
+        # per layer: values seen (0: none yet), mean and mean absolute deviation of ln(value)
+        self._seen: List[float] = []
+        self._mean: List[float] = []
+        self._dev: List[float] = []
 
     def restart(self) -> None:
-        self._state.clear()
+        self._seen = [0.0] * len(self._seen)
 
     def update(self, layer: int, value: float) -> Optional[Verdict]:
-        if not math.isfinite(value) or value <= 0:
-            return None
-        y = math.log(value)
-        state = self._state.get(layer)
-        if state is None:
-            self._state[layer] = [1.0, y, 0.0]
-            return None
-        n, mean, dev = state
-        # the first steps average plainly: an exponential weight on one value is no baseline
-        rate = max(self.alpha, 1.0 / (n + 1))
-        scale = max(MAD_TO_SIGMA * dev, LOG_FLOOR)
-        verdict = None
-        if n >= self.min_steps:
-            score = max(0.0, (y - mean) / scale)
-            verdict = Verdict(score, score > self.threshold and y - mean >= self.log_ratio)
-        edge = 3.0 * scale
-        clipped = min(max(y, mean - edge), mean + edge) if n >= self.min_steps else y
-        state[0] = n + 1
-        state[1] = mean + rate * (clipped - mean)
-        state[2] = dev + rate * (abs(clipped - mean) - dev)
-        return verdict
+        """One layer's value: its verdict, None while it is not scored (:meth:`update_many`)."""
+        return self.update_many((layer,), (value,))
+
+    def update_many(self, layers: Sequence[int], values: Sequence[float]) -> Optional[Verdict]:
+        """One step's value of each of ``layers`` (distinct): the highest score among them
+        and whether any is a spike; None if none was scored. A non-finite or non-positive
+        value is skipped; a layer's first ``min_steps`` values enter its baseline unscored."""
+        top = max(layers, default=-1) + 1
+        if top > len(self._seen):
+            grow = [0.0] * (top - len(self._seen))
+            self._seen += grow
+            self._mean += grow
+            self._dev += grow
+        seen, means, devs = self._seen, self._mean, self._dev
+        alpha, min_steps, threshold, log_ratio = self.alpha, self.min_steps, self.threshold, self.log_ratio
+        best: Optional[float] = None
+        spike = False
+        for layer, value in zip(layers, values):
+            if not 0.0 < value < math.inf:  # NaN compares False
+                continue
+            y = math.log(value)
+            n = seen[layer]
+            seen[layer] = n + 1.0
+            if n == 0.0:
+                means[layer], devs[layer] = y, 0.0
+                continue
+            mean, dev = means[layer], devs[layer]
+            # the first steps average plainly: an exponential weight on one value is no baseline
+            rate = max(alpha, 1.0 / (n + 1.0))
+            scale = max(MAD_TO_SIGMA * dev, LOG_FLOOR)
+            clipped = y
+            if n >= min_steps:
+                score = max(0.0, (y - mean) / scale)
+                best = score if best is None or score > best else best
+                spike = spike or (score > threshold and y - mean >= log_ratio)
+                edge = 3.0 * scale
+                clipped = min(max(y, mean - edge), mean + edge)
+            means[layer] = mean + rate * (clipped - mean)
+            devs[layer] = dev + rate * (abs(clipped - mean) - dev)
+        return None if best is None else Verdict(best, spike)
 
 
 class SpikeTracker:
@@ -248,11 +274,10 @@ class SpikeTracker:
         layers = self.layers.get(signal)
         if layers is None:
             return
-        verdicts = [layers.update(layer, v) for layer, v in values.items() if v is not None]
-        scored = [v for v in verdicts if v is not None]
-        if scored:
-            self._scores[signal] = max(v.score for v in scored)
-            self._count(signal, any(v.spike for v in scored))
+        verdict = layers.update_many(values.keys(), [v if v is not None else math.nan for v in values.values()])
+        if verdict is not None:
+            self._scores[signal] = verdict.score
+            self._count(signal, verdict.spike)
 
     def _count(self, signal: str, spike: bool) -> None:
         if spike:
