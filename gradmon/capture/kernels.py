@@ -16,7 +16,7 @@ import itertools
 import math
 import operator
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -510,19 +510,25 @@ def _segment_norms(group: Sequence[torch.Tensor], numels: Optional[Tuple[int, ..
     """L2 norms of small float32/float64 tensors: squared in their own dtype, so that they
     overflow as :func:`_l2` and vector_norm do (a finite norm proves a tensor finite, and
     a float32 norm past float32's range is Inf whichever path took it), summed in float64.
-    Many tensors of a few sizes (a deep stack's weights and biases) are stacked by size
-    (:func:`_size_plan`), with no view made per tensor as the flat copy makes one. ``numels``:
+    Many tensors of a few sizes (a deep stack's weights and biases) are stacked by size, or
+    by shape where a size has several (:func:`_size_plan`), with no view made per tensor as
+    the flat copy makes one. ``numels``:
     the tensors' sizes, in order, where the caller has them."""
     numels = numels if numels is not None else tuple(map(torch.Tensor.numel, group))
     plan = _size_plan(numels) if len(group) >= SIZE_PLAN_MIN else None
-    if plan is not None and plan.stackable:
+    while plan is not None:
+        if not plan.stackable:  # a size of several shapes (a transformer's wide and tall weights)
+            plan = plan.by_shape
+            continue
         try:
             stacks = [torch.stack(get(group)) for get in plan.getters]
-        except RuntimeError:  # tensors of one size and several shapes: the flat copy, from now on
+        except RuntimeError:  # read by shape from now on, where shapes are few enough; else the flat copy
             plan.stackable = False
-        else:
-            sums = [(x * x).view(x.shape[0], -1).double().sum(dim=1) for x in stacks]
-            return torch.cat(sums).index_select(0, plan.inverse).sqrt_()
+            if plan.by_shape is None and plan.by_size:
+                plan.by_shape = _size_plan(tuple(map(_SHAPE, group)), by_size=False)
+            continue
+        sums = [(x * x).view(x.shape[0], -1).double().sum(dim=1) for x in stacks]
+        return torch.cat(sums).index_select(0, plan.inverse).sqrt_()
     flat, lengths = _flat(group, numels)
     return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
 
@@ -536,31 +542,39 @@ class _SizePlan:
     """How to read tensors of given sizes a size at a time: a getter per size (its tensors,
     in order, as a tuple) and where each tensor's row lies in the getters' results
     concatenated (an index, on the CPU). ``stackable`` turns False the first time a size
-    holds tensors of several shapes, which cannot be stacked: the flat copy from then on,
-    without trying again every step."""
+    holds tensors of several shapes, which cannot be stacked together: from then on the
+    tensors are read a shape at a time (``by_shape``, a plan of the same kind keyed by
+    shape), or, where that cannot serve either, by the flat copy, without trying again
+    every step."""
 
-    __slots__ = ("getters", "inverse", "stackable")
+    __slots__ = ("getters", "inverse", "stackable", "by_size", "by_shape")
 
     def __init__(self, getters: Tuple[Callable[[Sequence[torch.Tensor]], Tuple[torch.Tensor, ...]], ...],
-                 inverse: torch.Tensor) -> None:
+                 inverse: torch.Tensor, by_size: bool) -> None:
         self.getters, self.inverse, self.stackable = getters, inverse, True
+        self.by_size = by_size
+        self.by_shape: Optional[_SizePlan] = None
+
+
+_SHAPE = operator.attrgetter("shape")
 
 
 @functools.lru_cache(maxsize=16)
-def _size_plan(numels: Tuple[int, ...]) -> Optional[_SizePlan]:
-    """The :class:`_SizePlan` of tensors of ``numels`` elements (in order); None where the
-    sizes are more than one in 16 of the tensors, or a tensor is empty. A model's gradients
-    have the same sizes every step: built once."""
-    buckets: Dict[int, List[int]] = {}
-    for i, n in enumerate(numels):
+def _size_plan(sizes: Tuple[Hashable, ...], by_size: bool = True) -> Optional[_SizePlan]:
+    """The :class:`_SizePlan` of tensors of ``sizes`` (in order: their element counts, or
+    with ``by_size`` False their shapes); None where the sizes are more than one in 16 of
+    the tensors, or a tensor is empty. A model's gradients have the same sizes every step:
+    built once."""
+    buckets: Dict[Hashable, List[int]] = {}
+    for i, n in enumerate(sizes):
         buckets.setdefault(n, []).append(i)
-    if len(buckets) > len(numels) // 16 or 0 in buckets:
+    if len(buckets) > len(sizes) // 16 or (0 in buckets if by_size else any(0 in shape for shape in buckets)):
         return None
     order = [i for idx in buckets.values() for i in idx]
     inverse = torch.empty(len(order), dtype=torch.int64)
     inverse[torch.tensor(order)] = torch.arange(len(order))
     return _SizePlan(tuple(operator.itemgetter(*idx) if len(idx) > 1 else (lambda g, i=idx[0]: (g[i],))
-                           for idx in buckets.values()), inverse)
+                           for idx in buckets.values()), inverse, by_size)
 
 
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
