@@ -11,6 +11,7 @@ steps (``gradmon.incidents``); a snapshot is assembled from them (``snapshot``).
 from __future__ import annotations
 
 import math
+from operator import itemgetter
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -208,26 +209,38 @@ class Aggregator:
     def _accumulate(self, f: Folded, section: Section, rows: Sequence[Sequence[float]]
                     ) -> Tuple[Dict[int, List[float]], bool]:
         """The step's records combined per (grouped) layer, their non-finite values counted
-        and told to the origin tracker; True if any record was non-finite."""
+        and told to the origin tracker; True if any record was non-finite. Python runs per
+        record to combine them (where anything reads the accumulators), and otherwise only
+        for the records of a step that holds a non-finite value."""
         stat = f.stat
+        plan = f.plan(section.keys)
         acc: Dict[int, List[float]] = {}
-        bad = False
-        slots, lo, hi, nan, inf = f.slots, f.lo, f.hi, f.nan, f.inf
-        cells = self.counts.cells.get(stat.name)
-        grad_origin = stat.origin if not stat.forward else None
+        if f.keeps:
+            combine, get = f.combine, acc.get
+            for layer, numel, row in zip(plan.of_record, section.numels, rows):
+                acc[layer] = combine(get(layer), row, numel)
         origins = self.origins
-        for key, numel, row in zip(section.keys, section.numels, rows):
-            layer = key if slots is None else slots[key]
-            acc[layer] = f.combine(acc.get(layer), row, numel)
-            if lo >= 0:
-                origins.forward_values(stat.origin, layer, S.nonfinite_flags(row[lo], row[hi]))  # type: ignore[arg-type]
-            if cells is not None and (row[nan] or row[inf]):  # counts: work only for a non-finite record
+        if f.lo >= 0:
+            # one sum over every record's extremes: finite unless one is (or, rarely, unless
+            # finite values overflow the sum, where the records are read one by one, as then)
+            lo, hi = itemgetter(f.lo), itemgetter(f.hi)
+            if math.isfinite(sum(map(lo, rows)) + sum(map(hi, rows))):
+                origins.forward_finite(stat.origin, plan.layers)  # type: ignore[arg-type]
+            else:
+                for layer, row in zip(plan.of_record, rows):
+                    origins.forward_values(stat.origin, layer, S.nonfinite_flags(lo(row), hi(row)))  # type: ignore[arg-type]
+        cells = self.counts.cells.get(stat.name)
+        nan, inf = f.nan, f.inf
+        if cells is None or not (any(map(itemgetter(nan), rows)) or any(map(itemgetter(inf), rows))):
+            return acc, False
+        grad_origin = stat.origin if not stat.forward else None
+        for layer, row in zip(plan.of_record, rows):
+            if row[nan] or row[inf]:
                 if grad_origin is not None:
                     origins.bad_gradient(grad_origin, layer)
                 cells[layer][0] += int(row[nan])
                 cells[layer][1] += int(row[inf])
-                bad = True
-        return acc, bad
+        return acc, True
 
     def _accumulate_table(self, f: Folded, section: Section, table: torch.Tensor
                           ) -> Tuple[Dict[int, List[float]], bool]:
