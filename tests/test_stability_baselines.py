@@ -241,5 +241,5 @@ def test_steps_above_the_baseline_are_judged_in_bounded_memory_when_nothing_scra
         columns = [0.0] * len(S.GRAD.columns)
         columns[norm] = (50.0 if i >= 10 * ARRIVED_MAX - 4 else 1.0 + 0.01 * (i % 7)) ** 2  # norms fold squared
         folded.update_gauges({0: columns})
-        assert len(folded._arrived.get((gauge, 0), ())) < ARRIVED_MAX
+        assert len(folded._arrived[gauge].get(0, ())) < ARRIVED_MAX
     assert folded.longest_streaks() == {M.GRAD_NORM_ABOVE_BASELINE_STEPS: 4}  # 4 of 10 leave the median calm

@@ -200,10 +200,10 @@ class Aggregator:
         if stat.total is not None:
             self._fold_total(f, acc, bad)
         if sampled or not stat.sampled:
-            columns = f.update_gauges(acc, baseline=self.spikes.steps > self.baseline_warmup)
+            values = f.update_gauges(acc, baseline=self.spikes.steps > self.baseline_warmup)
             for gauge in stat.gauges:
                 if gauge.jump is not None:
-                    self.spikes.observe_layers(gauge.jump, {layer: gauge.value(c) for layer, c in columns.items()})
+                    self.spikes.observe_layers(gauge.jump, values[gauge])
         return bad
 
     def _accumulate(self, f: Folded, section: Section, rows: Sequence[Sequence[float]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,11 +61,12 @@ class Folded:
         # each baseline gauge's last values per layer, for its rolling median
         self.history: Dict[LayerGauge, List[Deque[float]]] = {
             g: [deque(maxlen=windows[g.baseline]) for _ in range(n)] for g in stat.gauges if g.baseline}
-        self._unsettled: Dict[Tuple[LayerGauge, int], Optional[float]] = {}  # values whose ratio waits for settle()
+        # each baseline gauge's values whose ratio waits for settle(), by layer
+        self._unsettled: Dict[LayerGauge, Dict[int, Optional[float]]] = {g: {} for g in self.history}
         # each ``above`` gauge's run of steps above its threshold per layer, and the values
         # given since the last settle() (each is judged against the median settle() reads)
         self.streaks: Dict[LayerGauge, List[int]] = {g: [0] * n for g in stat.gauges if g.above is not None}
-        self._arrived: Dict[Tuple[LayerGauge, int], List[Optional[float]]] = {}
+        self._arrived: Dict[LayerGauge, Dict[int, List[Optional[float]]]] = {g: {} for g in self.streaks}
         self._above = {g: g.above[0](Thresholds()) for g in self.streaks}  # type: ignore[index]
         self.total: Optional[float] = None
         columns = stat.columns
@@ -193,53 +194,72 @@ class Folded:
         self.last = {}
         return norms
 
-    def _baseline(self, gauge: LayerGauge, layer: int, x: Optional[float], enters: bool) -> None:
-        window = self.history[gauge][layer]
-        if enters and x is not None and math.isfinite(x):
-            window.append(x)  # a NaN step must not poison the baseline for a whole window
-        self._unsettled[(gauge, layer)] = x
-        if gauge.above is not None:
-            arrived = self._arrived.setdefault((gauge, layer), [])
-            arrived.append(x)
-            if len(arrived) >= ARRIVED_MAX:  # no snapshot for a while (nothing scrapes): judge them now
-                self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], arrived, S.baseline_median(window),
-                                                     self._above[gauge])
-                arrived.clear()
+    def _baselines(self, gauge: LayerGauge, layers: Iterable[int], values: Sequence[Optional[float]],
+                   enters: bool) -> None:
+        """One step's values of a baseline gauge, by layer: each waits for :meth:`settle` and,
+        with ``enters``, joins its layer's window."""
+        windows = self.history[gauge]
+        unsettled = self._unsettled[gauge]
+        for layer, x in zip(layers, values):
+            if enters and x is not None and math.isfinite(x):
+                windows[layer].append(x)  # a NaN step must not poison the baseline for a whole window
+            unsettled[layer] = x
+        arrived = self._arrived.get(gauge)
+        if arrived is None:
+            return
+        for layer, x in zip(layers, values):
+            waiting = arrived.get(layer)
+            if waiting is None:
+                arrived[layer] = [x]
+                continue
+            waiting.append(x)
+            if len(waiting) >= ARRIVED_MAX:  # no snapshot for a while (nothing scrapes): judge them now
+                self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], waiting,
+                                                     S.baseline_median(windows[layer]), self._above[gauge])
+                waiting.clear()
 
     def settle(self) -> None:
         """The ratios to their baselines of the values given since the last call, into the
         gauges: a median per layer when a snapshot reads them, not every step. Each is the
         ratio its own step would have had: a layer's window changes only with the layer's
         next value, which replaces the one waiting, and at a restart, which settles first."""
-        for (gauge, layer), x in self._unsettled.items():
-            base = S.baseline_median(self.history[gauge][layer])  # once for the ratio and the run
-            self.gauges[gauge][layer] = S.relative(x, base)
-            values = self._arrived.pop((gauge, layer), None)
-            if values is not None:
-                self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], values, base, self._above[gauge])
-        self._unsettled.clear()
+        for gauge, unsettled in self._unsettled.items():
+            windows, store, arrived = self.history[gauge], self.gauges[gauge], self._arrived.get(gauge)
+            for layer, x in unsettled.items():
+                base = S.baseline_median(windows[layer])  # once for the ratio and the run
+                store[layer] = S.relative(x, base)
+                values = arrived.pop(layer, None) if arrived is not None else None
+                if values is not None:
+                    self.streaks[gauge][layer] = _streak(self.streaks[gauge][layer], values, base, self._above[gauge])
+            unsettled.clear()
 
     def longest_streaks(self) -> Dict[M.MetricSpec, int]:
         """Each ``above`` gauge's longest current run among layers (settled first)."""
         self.settle()
         return {gauge.above[1]: max(runs, default=0) for gauge, runs in self.streaks.items()}  # type: ignore[index]
 
-    def update_gauges(self, acc: Mapping[int, List[float]], baseline: bool = True) -> Dict[int, Dict[str, float]]:
+    def update_gauges(self, acc: Mapping[int, List[float]], baseline: bool = True
+                      ) -> Dict[LayerGauge, Dict[int, Optional[float]]]:
         """Every gauge of every layer this step has records of (a baseline ratio waits for
         :meth:`settle`; ``baseline``: whether this step's values enter the baselines); each
-        layer's columns."""
-        stores = [(gauge, self.gauges[gauge]) for gauge in self.stat.gauges]
-        if not stores:
+        gauge's values by layer. Gauges read alike (a norm and its ratio) read it once."""
+        if not self.stat.gauges:
             return {}
-        every = {}
-        for layer, a in acc.items():
-            columns = every[layer] = self.columns(a)
-            for gauge, store in stores:
-                if gauge.baseline is None:
-                    store[layer] = gauge.value(columns)
-                else:
-                    self._baseline(gauge, layer, gauge.value(columns), baseline)
-        return every
+        columns = list(map(self.columns, acc.values()))
+        read: Dict[Callable[[Mapping[str, float]], Optional[float]], List[Optional[float]]] = {}
+        out = {}
+        for gauge in self.stat.gauges:
+            values = read.get(gauge.value)
+            if values is None:
+                values = read[gauge.value] = list(map(gauge.value, columns))
+            if gauge.baseline is None:
+                store = self.gauges[gauge]
+                for layer, x in zip(acc, values):
+                    store[layer] = x
+            else:
+                self._baselines(gauge, acc, values, baseline)
+            out[gauge] = dict(zip(acc, values))
+        return out
 
     def restart(self) -> None:
         """Forget the baselines declared to restart with the spike windows."""
