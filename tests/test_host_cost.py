@@ -165,6 +165,49 @@ def test_norms_stay_pre_clip_when_the_loop_calls_a_module_gradmon_sees_no_output
         assert math.isclose(value(s, "gradmon_grad_global_norm"), returned, rel_tol=1e-5), step
 
 
+def test_the_first_steps_hooks_leave_nothing_on_the_parameters(attach):
+    """The hooks that find the end of the first steps' backwards go once a step shows it
+    through the root's output, and leave nothing behind: a parameter's own
+    post-accumulate-grad hook, once registered, makes every later backward call into
+    Python for it even after removal (torch keeps its caller), so none is ever registered
+    on a model whose loop goes through the root."""
+    model = chain(6, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model)
+    for _ in range(3):
+        sgd_step(model, opt, model)
+    assert all(p._post_accumulate_grad_hooks is None for p in model.parameters())
+    assert value(fresh(mon), "gradmon_grad_global_norm") > 0
+
+
+class Resized(nn.Module):
+    """A parameter whose storage a wrapper swaps for one of another size between steps, as
+    FSDP and DeepSpeed do (``p.data = ...``); its forward works with either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w.sum()
+
+
+def test_a_parameter_whose_storage_changes_size_after_attach_trains_on(attach):
+    """A gradient accumulator held from before the swap would expect the old size, and the
+    backward would raise in the training loop: the root's forward lets go of it first."""
+    model = Resized()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model)
+    for size in (6, 2, 5):
+        with torch.no_grad():
+            model.w.data = torch.ones(size)
+        opt.zero_grad(set_to_none=True)
+        model(torch.ones(4)).sum().backward()
+        assert model.w.grad.shape == (size,)
+        opt.step()
+    assert value(fresh(mon), "gradmon_grad_global_norm") > 0
+
+
 class ChangeInPlace(nn.Module):
     """Changes its input in place and returns it: on every step (a ``ReLU(inplace=True)``
     sibling) or only on the poisoned one; ``poison`` makes the change a NaN."""

@@ -60,7 +60,8 @@ class Forward:
     layer's gradient-flow hook."""
 
     def __init__(self, statistics: Sequence[Statistic], records: StepRecords, guard: Guards, errors: ErrorLog,
-                 on_backward_start: Callable[[torch.Tensor], None], enter_backward: Callable[[], None]) -> None:
+                 on_backward_start: Callable[[torch.Tensor], None], enter_backward: Callable[[], None],
+                 root_forward: Callable[[], None] = lambda: None) -> None:
         def at(moment: str) -> Tuple[Statistic, ...]:
             return tuple(st for st in statistics if st.at == moment)
         self._block, self._layer, self._grad_flow = bool(at(S.BLOCK)), bool(at(S.LAYER)), bool(at(S.OUTPUT_GRAD))
@@ -72,6 +73,7 @@ class Forward:
         self._errors = errors
         self._on_backward_start = on_backward_start
         self._enter_backward = enter_backward
+        self._root_forward = root_forward  # called as the root's (eager) training forward begins
         self.active = True
         self.detail_now = True
         self.compiled = False  # a hook ran inside a compiled region: hooks stay as they are
@@ -132,6 +134,8 @@ class Forward:
         training = self._training_forward(module)
         self._deferring = self._defer_blocks and self._block and training
         with self._guard("forward"):
+            if training:
+                self._root_forward()
             if training and self.detail_now:
                 self.collector.hold()
             self._rec.rows.start(module, args, kwargs)

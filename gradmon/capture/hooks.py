@@ -87,6 +87,7 @@ class Recorder:
         self.param_layer = self._params.param_layer
         self._grads = ParamGradients(self._at[S.PARAM_GRAD], self.current_params(), flat_units, self._at[S.WEIGHT])
         self.sharded = self._grads.sharded
+        self._params.lasting = bool(self._at[S.LOCAL_GRAD]) or self.sharded
         self._passes = BackwardPasses(self.current_params)
         self._params_now: Optional[List[Optional[torch.Tensor]]] = None  # as this step's measure saw them
         self.scaler = cfg.scaler
@@ -104,7 +105,7 @@ class Recorder:
         self._rec = StepRecords(self.statistics, tuple(layer.name for layer in layers), errors,
                                 keep_scratch=cfg.detail_every <= KEEP_SCRATCH_EVERY)
         self.forward = Forward(self.statistics, self._rec, self._guard, errors,
-                               self._on_backward_start, self._enter_backward)
+                               self._on_backward_start, self._enter_backward, self._params.root_forward)
 
     @property
     def active(self) -> bool:

@@ -9,6 +9,19 @@ forward of a deeper submodule), and record LOCAL_GRAD. They cost a Python call p
 per backward, so once a step shows every backward passing through the root's output (or a
 top-level block's, called alone) they are removed; a step whose gradients came from a
 backward gradmon did not see (measured at the optimizer step) brings them back for good.
+
+Removed must mean gone: a parameter's own post-accumulate-grad hook leaves its C++ caller on
+the parameter for good, which takes the interpreter lock in every later backward, once per
+parameter, to find no hook. So the hooks that are likely to go (those of the first steps,
+until one shows its backward through an output gradmon watches) are put on the parameters'
+gradient accumulators instead (autograd's AccumulateGrad nodes, which run once the gradient
+is accumulated), held by gradmon while hooked: once dropped, and the backward's graph freed,
+a node goes, and the next forward makes a fresh one with nothing on it. They are dropped as
+the root's training forward begins (its output will be watched), before the graph links
+to them: a node kept from before a change of its parameter's storage (FSDP's, DeepSpeed's)
+must not join a graph. The hooks meant to stay (LOCAL_GRAD's, whose must run before DDP's
+reducer takes the gradient; sharded parameters'; after a backward gradmon did not see) go on
+the parameters themselves.
 """
 
 from __future__ import annotations
@@ -23,6 +36,36 @@ import torch
 from .layers import Layer
 
 log = logging.getLogger("gradmon")
+
+
+class AccumulatorHook:
+    """``fn(p)`` after autograd accumulated ``p``'s gradient, from a hook on ``p``'s gradient
+    accumulator, which is held (and so reused by every forward) until :meth:`remove`."""
+
+    __slots__ = ("_node", "_handle")
+
+    def __init__(self, p: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+        self._node = torch.autograd.graph.get_gradient_edge(p).node
+        ref = weakref.ref(p)  # the node holds the parameter; the hook holds neither
+
+        def after_accumulated(grad_inputs: Any, grad_outputs: Any) -> None:
+            param = ref()
+            if param is not None:
+                fn(param)
+        self._handle = self._node.register_hook(after_accumulated)
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self._node = None
+
+
+def hook_accumulated(p: torch.Tensor, fn: Callable[[torch.Tensor], None], on_param: bool) -> Any:
+    """A removable hook calling ``fn(p)`` once autograd accumulated ``p``'s gradient: on the
+    parameter itself with ``on_param`` (or where ``p`` is no leaf, which has no accumulator),
+    else on its accumulator (:class:`AccumulatorHook`)."""
+    if on_param or not p.is_leaf:
+        return p.register_post_accumulate_grad_hook(fn)
+    return AccumulatorHook(p, fn)
 
 
 class ParamSlots:
@@ -40,6 +83,10 @@ class ParamSlots:
         self._step_seen = False  # this step's gradients were measured at the end of a seen backward
         self._known: List[Optional[weakref.ref]] = []  # the parameters as last seen
         self._hooks: List[Any] = []
+        self.lasting = False
+        """Hook the parameters themselves, not their accumulators, from the first
+        :meth:`sync` on: for LOCAL_GRAD, and for sharded parameters."""
+        self._on_params = False  # whether the hooks held are the parameters' own
 
     def current(self) -> List[Optional[torch.Tensor]]:
         """The monitored parameters as the modules hold them now (None: gone, or frozen)."""
@@ -55,15 +102,25 @@ class ParamSlots:
         if changed and self._known:
             log.warning("gradmon: monitored parameters were replaced after attach (new nn.Parameter or "
                         "load_state_dict(assign=True)); measuring the new ones")
-        if changed:
+        on_params = self.lasting or self._unseen
+        if changed or (self._hooks and self._on_params != on_params):
             self.remove_hooks()
+        if changed:
             self._known = [weakref.ref(p) if p is not None else None for p in params]
         if self.hooked and not self._hooks:
-            self._hooks = [p.register_post_accumulate_grad_hook(partial(on_grad, i))
+            self._hooks = [hook_accumulated(p, partial(on_grad, i), on_params)
                            for i, p in enumerate(params) if p is not None]
+            self._on_params = on_params
         elif not self.hooked and self._hooks:
             self.remove_hooks()
         return changed
+
+    def root_forward(self) -> None:
+        """The root's training forward begins: its backward will be seen, so the
+        accumulators' hooks go now, before the forward's graph links to them (a
+        :meth:`sync` brings them back while still :attr:`hooked`)."""
+        if self._hooks and not self._on_params:
+            self.remove_hooks()
 
     def measured(self, seen: bool) -> None:
         """This step's gradients were measured at the end of a backward gradmon ``seen`` (or not)."""
