@@ -208,6 +208,33 @@ def test_a_parameter_whose_storage_changes_size_after_attach_trains_on(attach):
     assert value(fresh(mon), "gradmon_grad_global_norm") > 0
 
 
+class Partitioned(nn.Module):
+    """A model whose loop calls a submodule (no root output is watched) and whose parameter
+    holds no elements between steps, gathered for each forward (DeepSpeed's ZeRO-3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Resized()
+
+
+def test_a_parameter_gathered_only_for_its_forward_trains_on_when_the_loop_calls_a_submodule(attach):
+    model = Partitioned()
+    w = model.inner.w
+    with torch.no_grad():
+        w.data = torch.empty(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model)
+    for _ in range(3):
+        with torch.no_grad():
+            w.data = torch.ones(3)
+        opt.zero_grad(set_to_none=True)
+        model.inner(torch.ones(4)).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            w.data = torch.empty(0)
+    assert value(fresh(mon), "gradmon_grad_global_norm") > 0
+
+
 class ChangeInPlace(nn.Module):
     """Changes its input in place and returns it: on every step (a ``ReLU(inplace=True)``
     sibling) or only on the poisoned one; ``poison`` makes the change a NaN."""

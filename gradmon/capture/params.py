@@ -61,9 +61,11 @@ class AccumulatorHook:
 
 def hook_accumulated(p: torch.Tensor, fn: Callable[[torch.Tensor], None], on_param: bool) -> Any:
     """A removable hook calling ``fn(p)`` once autograd accumulated ``p``'s gradient: on the
-    parameter itself with ``on_param`` (or where ``p`` is no leaf, which has no accumulator),
-    else on its accumulator (:class:`AccumulatorHook`)."""
-    if on_param or not p.is_leaf:
+    parameter itself with ``on_param``, where ``p`` is no leaf (it has no accumulator) and
+    where it holds no elements now (its storage is elsewhere between forwards, as DeepSpeed's
+    ZeRO-3 keeps it: an accumulator made now would expect the empty size); else on its
+    accumulator (:class:`AccumulatorHook`)."""
+    if on_param or not p.is_leaf or p.numel() == 0:
         return p.register_post_accumulate_grad_hook(fn)
     return AccumulatorHook(p, fn)
 
