@@ -73,6 +73,7 @@ class TracedSlots:
         # the gate of the detail statistics' branch: a tensor, so that the compiled code reads
         # its value where a Python bool would be guarded on (the first step is a detail step)
         self._gate = torch.ones((), dtype=torch.bool)
+        self._armed = True  # what the gate holds: written only when it changes (a step's fixed cost)
         self._slots: List[Tuple["weakref.ref[nn.Module]", str, int]] = []  # (module, its attribute, key)
         self._told = False  # the warning that the layers' hooks were compiled out
 
@@ -87,7 +88,9 @@ class TracedSlots:
     def arm(self, detail: bool) -> None:
         """Host, between steps: whether the next step's compiled hooks make the detail
         statistics' records (a write to a CPU tensor: no device work, no recompile)."""
-        self._gate.fill_(detail)
+        if detail != self._armed:
+            self._gate.fill_(detail)
+            self._armed = detail
 
     def record(self, module: nn.Module, kind: str, values: Any) -> None:
         """Traced: the records of ``values`` made at a ``kind`` hook, left on ``module``."""
