@@ -146,12 +146,19 @@ class Deep(nn.Module):
         return self.body(x)
 
 
-@pytest.mark.parametrize("when", ["from the first step", "after steps through the root"])
+@pytest.mark.parametrize("when", ["from the first step", "after steps through the root",
+                                  "from the first step, moved to float64 after attach"])
 def test_norms_stay_pre_clip_when_the_loop_calls_a_module_gradmon_sees_no_output_of(attach, when):
+    """The moved model: torch gives a parameter moved to another dtype or device a new
+    gradient accumulator, and the end of the first backward must still be found."""
     model = Deep()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     mon = attach(model)
     inner = model.body[0]
+    if "float64" in when:
+        model.double()
+        body = inner
+        inner = lambda x: body(x.double())  # noqa: E731
     rooted = 3 if when == "after steps through the root" else 0
     for _ in range(rooted):
         sgd_step(model, opt, model, clip=1e-4)

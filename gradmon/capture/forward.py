@@ -61,7 +61,8 @@ class Forward:
 
     def __init__(self, statistics: Sequence[Statistic], records: StepRecords, guard: Guards, errors: ErrorLog,
                  on_backward_start: Callable[[torch.Tensor], None], enter_backward: Callable[[], None],
-                 root_forward: Callable[[], None] = lambda: None) -> None:
+                 root_forward: Callable[[], None] = lambda: None,
+                 outside_root: Callable[[], None] = lambda: None) -> None:
         def at(moment: str) -> Tuple[Statistic, ...]:
             return tuple(st for st in statistics if st.at == moment)
         self._block, self._layer, self._grad_flow = bool(at(S.BLOCK)), bool(at(S.LAYER)), bool(at(S.OUTPUT_GRAD))
@@ -74,6 +75,8 @@ class Forward:
         self._on_backward_start = on_backward_start
         self._enter_backward = enter_backward
         self._root_forward = root_forward  # called as the root's (eager) training forward begins
+        self._outside_root = outside_root  # called once a step when a layer runs outside the root's forward
+        self._outside_told = False
         self.active = True
         self.detail_now = True
         self.compiled = False  # a hook ran inside a compiled region: hooks stay as they are
@@ -91,6 +94,7 @@ class Forward:
     def next_step(self, detail: bool) -> None:
         """The next step reads the layers (a detail step) or not."""
         self.detail_now = detail
+        self._outside_told = False
         if self.traced is not None:
             self.traced.arm(detail)
         # on a detail step a block that is a layer takes its extremes from its activation record
@@ -227,6 +231,9 @@ class Forward:
             return
         with self._guard("forward"):
             if self._training_forward(module):
+                if not (self._in_root or self._outside_told):
+                    self._outside_told = True
+                    self._outside_root()
                 # on a detail step the activation record already holds the same extremes
                 if not (self.detail_now and self._output_has_extremes):
                     self._rec.record_values(S.LAYER, layer, output)

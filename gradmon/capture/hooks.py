@@ -105,7 +105,8 @@ class Recorder:
         self._rec = StepRecords(self.statistics, tuple(layer.name for layer in layers), errors,
                                 keep_scratch=cfg.detail_every <= KEEP_SCRATCH_EVERY)
         self.forward = Forward(self.statistics, self._rec, self._guard, errors,
-                               self._on_backward_start, self._enter_backward, self._params.root_forward)
+                               self._on_backward_start, self._enter_backward, self._params.root_forward,
+                               self._params.outside_root)
 
     @property
     def active(self) -> bool:

@@ -42,17 +42,29 @@ class AccumulatorHook:
     """``fn(p)`` after autograd accumulated ``p``'s gradient, from a hook on ``p``'s gradient
     accumulator, which is held (and so reused by every forward) until :meth:`remove`."""
 
-    __slots__ = ("_node", "_handle")
+    __slots__ = ("_ref", "_after", "_node", "_handle")
 
     def __init__(self, p: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
-        self._node = torch.autograd.graph.get_gradient_edge(p).node
-        ref = weakref.ref(p)  # the node holds the parameter; the hook holds neither
+        ref = self._ref = weakref.ref(p)  # the node holds the parameter; the hook holds neither
 
         def after_accumulated(grad_inputs: Any, grad_outputs: Any) -> None:
             param = ref()
             if param is not None:
                 fn(param)
+        self._after = after_accumulated
+        self._node = torch.autograd.graph.get_gradient_edge(p).node
         self._handle = self._node.register_hook(after_accumulated)
+
+    def follow(self) -> None:
+        """Move to the accumulator autograd uses now, if torch replaced the one held (it does
+        when a parameter's storage moves to another dtype or device: ``.to()``)."""
+        p = self._ref()
+        if p is None:
+            return
+        node = torch.autograd.graph.get_gradient_edge(p).node
+        if node is not self._node:
+            self._handle.remove()
+            self._node, self._handle = node, node.register_hook(self._after)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -123,6 +135,16 @@ class ParamSlots:
         :meth:`sync` brings them back while still :attr:`hooked`)."""
         if self._hooks and not self._on_params:
             self.remove_hooks()
+
+    def outside_root(self) -> None:
+        """A training forward outside the root's (the loop calls a submodule) reached a
+        layer: the accumulators' hooks follow any accumulator torch replaced since they were
+        put on (a model moved to another dtype or device after attach), so that this
+        backward's end is still found."""
+        if self._hooks and not self._on_params:
+            for hook in self._hooks:
+                if isinstance(hook, AccumulatorHook):
+                    hook.follow()
 
     def measured(self, seen: bool) -> None:
         """This step's gradients were measured at the end of a backward gradmon ``seen`` (or not)."""
