@@ -1,4 +1,4 @@
-"""The alert-evaluation corpus (issue 22): three small model families and the runs trained on them.
+"""The alert-evaluation corpus (issue 22): four small model families and the runs trained on them.
 
 Every run is declared here once: its family, its cause (why it should or should not go wrong), the
 mechanism in words, its hyperparameters, its seed and its split. ``record_corpus.py`` trains each
@@ -20,6 +20,10 @@ Families (small enough for one CPU thread, ~2,000 steps each):
   template per class (6 classes, chance ln 6), scaled by a random contrast and buried in noise.
 - ``gru``: an embedding, a one-layer GRU of width 32 and a linear head recalling the first of 12
   tokens (8 symbols, chance ln 8): a long plateau at chance, then a sharp drop.
+- ``lstm`` (tune seeds only, added on 2026-11-27): an embedding, a one-layer LSTM of width 32 and a
+  linear head counting the 0s among 12 tokens of 4 symbols (6 classes, "5 or more" the last;
+  chance ln 6): a recurrent family for the tune split, whose only recurrent runs were the held-out
+  family's.
 """
 
 from __future__ import annotations
@@ -90,6 +94,18 @@ class RecallGRU(nn.Module):
         return self.head(out[:, -1])
 
 
+class CountLSTM(nn.Module):
+    def __init__(self, symbols: int = 4, classes: int = 6, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(symbols, 16)
+        self.lstm = nn.LSTM(16, width, batch_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(tokens))
+        return self.head(out[:, -1])
+
+
 def _noisy(y: torch.Tensor, classes: int, g: torch.Generator, p: float = 0.1) -> torch.Tensor:
     """A fraction ``p`` of targets replaced by random classes: an irreducible loss floor (about
     0.6 nats here), as real data has, so that "within 1.2x of the minimum" is not read against 0."""
@@ -129,6 +145,14 @@ def gru_batches(seed: int, batch: int = 128, symbols: int = 8, length: int = 12)
         yield x, _noisy(x[:, 0], symbols, g)
 
 
+def lstm_batches(seed: int, batch: int = 128, symbols: int = 4, length: int = 12, classes: int = 6
+                 ) -> Iterator[Batch]:
+    g = torch.Generator().manual_seed(5000 + seed)
+    while True:
+        x = torch.randint(0, symbols, (batch, length), generator=g)
+        yield x, _noisy((x == 0).sum(dim=1).clamp(max=classes - 1), classes, g)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -159,6 +183,7 @@ FAMILIES: Dict[str, Family] = {
     "lm": Family("lm", CopyLM, lm_batches, 16, lambda b, g: _poison_tokens(b, g, 16)),
     "cnn": Family("cnn", SmallCNN, cnn_batches, 6, _poison_images),
     "gru": Family("gru", RecallGRU, gru_batches, 8, lambda b, g: _poison_tokens(b, g, 8)),
+    "lstm": Family("lstm", CountLSTM, lstm_batches, 6, lambda b, g: _poison_tokens(b, g, 6)),
 }
 
 
@@ -265,6 +290,14 @@ def runs() -> Tuple[Run, ...]:
     add("gru", "lr-high-warmup", (0, 1), lr=3e-1, warmup=300)
     add("gru", "late-collapse", (0, 1), lr=3e-3, warmup=200, boost=100.0, boost_at=1200, boost_ramp=100)
     add("gru", "poisoned-batch", (0, 1, 2, 3), lr=3e-3, warmup=200, poison=tuple(range(1000, 1008)))
+    # lstm: tune seeds only (added after the test split was first scored: a recurrent family to tune on,
+    # the held-out gru family staying held out); the corpus's causes at the gru runs' settings, unchanged
+    add("lstm", "healthy-warmup", (0, 1), lr=3e-3, warmup=200)
+    add("lstm", "healthy-nowarmup", (0, 1), lr=3e-3)
+    add("lstm", "lr-high-nowarmup", (0, 1), lr=3e-1)
+    add("lstm", "lr-high-warmup", (0, 1), lr=3e-1, warmup=300)
+    add("lstm", "late-collapse", (0, 1), lr=3e-3, warmup=200, boost=100.0, boost_at=1200, boost_ramp=100)
+    add("lstm", "poisoned-batch", (0, 1), lr=3e-3, warmup=200, poison=tuple(range(1000, 1008)))
     return tuple(out)
 
 
