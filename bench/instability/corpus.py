@@ -82,28 +82,29 @@ class SmallCNN(nn.Module):
         return self.head(x)
 
 
-class RecallGRU(nn.Module):
-    def __init__(self, symbols: int = 8, width: int = 32) -> None:
+class Recurrent(nn.Module):
+    """An embedding of 16, one recurrent layer of ``width`` (``cell``: ``nn.GRU`` or ``nn.LSTM``,
+    named after it: the layers' names are in the recordings) and a linear head read at the last
+    position."""
+
+    def __init__(self, cell: type, symbols: int, classes: int, width: int = 32) -> None:
         super().__init__()
         self.embed = nn.Embedding(symbols, 16)
-        self.gru = nn.GRU(16, width, batch_first=True)
-        self.head = nn.Linear(width, symbols)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out, _ = self.gru(self.embed(tokens))
-        return self.head(out[:, -1])
-
-
-class CountLSTM(nn.Module):
-    def __init__(self, symbols: int = 4, classes: int = 6, width: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(symbols, 16)
-        self.lstm = nn.LSTM(16, width, batch_first=True)
+        self.cell = cell.__name__.lower()
+        self.add_module(self.cell, cell(16, width, batch_first=True))
         self.head = nn.Linear(width, classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out, _ = self.lstm(self.embed(tokens))
+        out, _ = self._modules[self.cell](self.embed(tokens))
         return self.head(out[:, -1])
+
+
+def recall_gru() -> nn.Module:
+    return Recurrent(nn.GRU, symbols=8, classes=8)
+
+
+def count_lstm() -> nn.Module:
+    return Recurrent(nn.LSTM, symbols=4, classes=6)
 
 
 def _noisy(y: torch.Tensor, classes: int, g: torch.Generator, p: float = 0.1) -> torch.Tensor:
@@ -182,8 +183,8 @@ def _poison_images(b: Batch, g: torch.Generator) -> Batch:
 FAMILIES: Dict[str, Family] = {
     "lm": Family("lm", CopyLM, lm_batches, 16, lambda b, g: _poison_tokens(b, g, 16)),
     "cnn": Family("cnn", SmallCNN, cnn_batches, 6, _poison_images),
-    "gru": Family("gru", RecallGRU, gru_batches, 8, lambda b, g: _poison_tokens(b, g, 8)),
-    "lstm": Family("lstm", CountLSTM, lstm_batches, 6, lambda b, g: _poison_tokens(b, g, 6)),
+    "gru": Family("gru", recall_gru, gru_batches, 8, lambda b, g: _poison_tokens(b, g, 8)),
+    "lstm": Family("lstm", count_lstm, lstm_batches, 6, lambda b, g: _poison_tokens(b, g, 6)),
 }
 
 
