@@ -203,7 +203,7 @@ class Aggregator:
             values = f.update_gauges(acc, baseline=self.spikes.steps > self.baseline_warmup)
             for gauge in stat.gauges:
                 if gauge.jump is not None:
-                    self.spikes.observe_layers(gauge.jump, values[gauge])
+                    self.spikes.observe_layers(gauge.jump, dict(zip(acc, values[gauge])))
         return bad
 
     def _accumulate(self, f: Folded, section: Section, rows: Sequence[Sequence[float]]

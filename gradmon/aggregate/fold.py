@@ -239,10 +239,11 @@ class Folded:
         return {gauge.above[1]: max(runs, default=0) for gauge, runs in self.streaks.items()}  # type: ignore[index]
 
     def update_gauges(self, acc: Mapping[int, List[float]], baseline: bool = True
-                      ) -> Dict[LayerGauge, Dict[int, Optional[float]]]:
+                      ) -> Dict[LayerGauge, List[Optional[float]]]:
         """Every gauge of every layer this step has records of (a baseline ratio waits for
         :meth:`settle`; ``baseline``: whether this step's values enter the baselines); each
-        gauge's values by layer. Gauges read alike (a norm and its ratio) read it once."""
+        gauge's values, in ``acc``'s order of layers. Gauges read alike (a norm and its
+        ratio) read it once."""
         if not self.stat.gauges:
             return {}
         columns = list(map(self.columns, acc.values()))
@@ -258,7 +259,7 @@ class Folded:
                     store[layer] = x
             else:
                 self._baselines(gauge, acc, values, baseline)
-            out[gauge] = dict(zip(acc, values))
+            out[gauge] = values
         return out
 
     def restart(self) -> None:

@@ -152,10 +152,6 @@ class LayerBaselines:
     def restart(self) -> None:
         self._seen = [0.0] * len(self._seen)
 
-    def update(self, layer: int, value: float) -> Optional[Verdict]:
-        """One layer's value: its verdict, None while it is not scored (:meth:`update_many`)."""
-        return self.update_many((layer,), (value,))
-
     def update_many(self, layers: Sequence[int], values: Sequence[float]) -> Optional[Verdict]:
         """One step's value of each of ``layers`` (distinct): the highest score among them
         and whether any is a spike; None if none was scored. A non-finite or non-positive
