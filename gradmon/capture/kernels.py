@@ -512,8 +512,8 @@ def _segment_norms(group: Sequence[torch.Tensor], numels: Optional[Tuple[int, ..
     a float32 norm past float32's range is Inf whichever path took it), summed in float64.
     Many tensors of a few sizes (a deep stack's weights and biases) are stacked by size, or
     by shape where a size has several (:func:`_size_plan`), with no view made per tensor as
-    the flat copy makes one. ``numels``:
-    the tensors' sizes, in order, where the caller has them."""
+    the flat copy makes one. ``numels``: the tensors' sizes, in order, where the caller has
+    them."""
     numels = numels if numels is not None else tuple(map(torch.Tensor.numel, group))
     plan = _size_plan(numels) if len(group) >= SIZE_PLAN_MIN else None
     while plan is not None:
