@@ -51,7 +51,9 @@ def start_demo(*args: str, **env: str) -> "tuple[subprocess.Popen, str]":
 
 
 def finish(proc: subprocess.Popen) -> str:
-    proc.wait(timeout=60)
+    # a bound for a hang, not a speed: a healthy demo ends in seconds here, yet one CI run (two
+    # workers on two cores, the other busy) found it still running after a minute
+    proc.wait(timeout=180)
     time.sleep(0.2)  # the drain thread reads the last lines
     return "".join(OUTPUT[proc.pid])
 
