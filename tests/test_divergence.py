@@ -156,6 +156,36 @@ def test_a_jump_after_gradient_spikes_is_still_a_bad_batch():
     assert not any(diverging) and watch.divergences == 0
 
 
+def collapse(gradient_at: int) -> Tuple[List[int], DivergenceWatch]:
+    """A model that learned (3.0 -> 0.5) and loses it in one step at step 401 (index 400): the
+    loss back at its starting level for good, one layer's gradient at 20x on step ``gradient_at``
+    (an index)."""
+    rng = random.Random(6)
+    losses = [3.0] * 20 + [noisy(0.5, rng) for _ in range(380)] + [noisy(3.0, rng) for _ in range(150)]
+    norms: List[Optional[float]] = [math.exp(rng.gauss(0.0, 0.15)) for _ in losses]
+    norms[gradient_at] = 20.0
+    _, diverging, watch = run(losses, norms)
+    return diverging, watch
+
+
+def test_a_jump_to_the_starting_level_the_step_after_the_gradient_spiked_pages_on_the_jump():
+    """An update that breaks the model: its gradient spikes while the loss is still ordinary and
+    the next step's loss jumps. The gradients led, which a bad batch's cannot (its own loss is
+    what pushes them): the jump's own step pages, with the gradient's signal as evidence."""
+    diverging, watch = collapse(gradient_at=399)
+    assert next(i for i, d in enumerate(diverging) if d) == 400
+    assert LAYER in watch.evidence and watch.divergences == 1
+
+
+@pytest.mark.parametrize("gradient_at", [400, 398])
+def test_the_same_jump_with_the_gradient_on_its_own_step_or_two_before_it_pages_only_once_sustained(gradient_at):
+    """The gradient spiking with the loss is a bad batch's signature; two steps before it, the
+    loss in between did not follow: neither is evidence, and the jump pages once it lasts."""
+    diverging, watch = collapse(gradient_at)
+    assert next(i for i, d in enumerate(diverging) if d) > 400 + 50
+    assert watch.evidence == {SIGNAL_LOSS_SUSTAINED}
+
+
 def test_a_loss_back_at_its_starting_level_after_a_ramp_pages_before_the_trend_doubles():
     """The model lost what it learned: a loss at the run's first mean after a ramp of many steps."""
     losses = [2.0] * 20 + [0.5] * 200 + [0.5 * 1.15 ** (i + 1) for i in range(10)] + [2.0] * 30

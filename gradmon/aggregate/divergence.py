@@ -24,11 +24,13 @@ Two tiers, after what separates a divergence from a bad batch in recorded runs:
   taking ``ramp`` steps or more to come within a fifth of its highest (a model losing its fit;
   a bad batch's loss jumps to its top at once), or a spike of any signal in the ``evidence``
   steps before the climb began (at least ``creep`` steps before it: the short mean crosses
-  ``onset`` a step or two after a jump). A climb whose loss jumped to ``jump`` times its
-  level or more without such a ramp is a bad batch's signature: spikes before it are no
-  evidence. Without evidence, a trend that stays diverged for ``sustain`` steps pages too. A
-  non-finite loss pages at once. The page holds until the trend falls below ``settled``
-  times its best.
+  ``onset`` a step or two after a jump), or a gradient that spiked without the loss on the
+  step before the loss spiked (an update that broke the model: the gradients led, the loss
+  followed). A climb whose loss jumped to ``jump`` times its level or more without a ramp is a
+  bad batch's signature (its loss and gradients spike in the same step): of the spikes before
+  it only gradients that led the loss are evidence. Without evidence, a trend that stays
+  diverged for ``sustain`` steps pages too. A non-finite loss pages at once. The page holds
+  until the trend falls below ``settled`` times its best.
 
 A batch of bad data (a loss and gradient spike in the same step, from a healthy trend) is a
 warning that clears when the batch has passed; a divergence whose gradients moved first
@@ -41,6 +43,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, FrozenSet, Iterable, Optional, Tuple
+
+from ..metrics import SIGNAL_LOSS
 
 NEAR_TOP = 0.8
 """A climb's loss is near its top from this share of the way up (from its level to its highest)."""
@@ -83,7 +87,8 @@ class DivergenceSettings:
     through intermediate values: the model losing its fit (evidence), not a batch."""
     jump: float = 3.0
     """A climb without a ramp whose loss reached this many times its level is a jump, a bad
-    batch's signature: spikes before it are no evidence."""
+    batch's signature: of the spikes before it, only gradients that led the loss by a step are
+    evidence."""
     sustain: int = 100
     """Steps a diverged trend without other evidence must last to page."""
 
@@ -265,9 +270,10 @@ class DivergenceWatch:
             # only if it lasts (``sustain``)
             gradual = self.climb.gradual_steps() >= s.ramp
             jumped = not gradual and self.climb.top() >= s.jump
-            self._before = frozenset() if jumped else frozenset(
+            led = self._gradients_led(onset - s.creep, now, spiked)
+            self._before = led if jumped else frozenset(
                 {signal for at, signal in self._spikes if onset - s.evidence <= at < onset - s.creep}
-                | ({SIGNAL_LOSS_CREEP} if gradual else set()))
+                | ({SIGNAL_LOSS_CREEP} if gradual else set()) | led)
         elif not diverged and settled:
             self._diverged_since = None
         for signal in spiked:
@@ -289,6 +295,19 @@ class DivergenceWatch:
             self.rising_steps = 0
         elif self.rising_steps or (ratio >= s.rising and above >= s.floor / 2):
             self.rising_steps += 1
+
+    def _gradients_led(self, since: int, now: int, spiked: Iterable[str]) -> FrozenSet[str]:
+        """The signals that spiked without the loss on a step before which the loss spiked, from
+        ``since`` to ``now`` (whose spikes, ``spiked``, are not yet recorded): the gradients moved
+        first and the loss followed on the next step, as when an update breaks the model. A bad
+        batch moves both in the same step: its own loss is what pushes its gradients."""
+        by_step: Dict[int, set] = {}
+        for at, signal in self._spikes:
+            if at >= since - 1:
+                by_step.setdefault(at, set()).add(signal)
+        by_step.setdefault(now, set()).update(spiked)
+        return frozenset(signal for at, signals in by_step.items() if SIGNAL_LOSS in signals
+                         for signal in by_step.get(at - 1, ()) if SIGNAL_LOSS not in by_step[at - 1])
 
     def _page(self, evidence: FrozenSet[str]) -> None:
         if not self.diverging_steps:
