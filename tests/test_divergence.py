@@ -186,6 +186,20 @@ def test_the_same_jump_with_the_gradient_on_its_own_step_or_two_before_it_pages_
     assert watch.evidence == {SIGNAL_LOSS_SUSTAINED}
 
 
+def test_a_page_confirmed_by_one_loss_holds_while_the_trend_catches_up_one_divergence_not_two():
+    """A loss back at the starting level confirms at once, while the trend (a 20-step mean)
+    still reads settled: the page holds for the trend's window instead of clearing on the next
+    step and paging again when the trend doubles."""
+    rng = random.Random(7)
+    losses = [2.0] * 20 + [noisy(0.5, rng) for _ in range(300)] + [2.0] + [0.6 * 1.1 ** i for i in range(40)]
+    norms: List[Optional[float]] = [math.exp(rng.gauss(0.0, 0.15)) for _ in losses]
+    norms[319] = 20.0  # the gradient led the loss: evidence
+    _, diverging, watch = run(losses, norms)
+    first = next(i for i, d in enumerate(diverging) if d)
+    assert first == 320 and LAYER in watch.evidence
+    assert all(diverging[first:]) and watch.divergences == 1
+
+
 def test_a_loss_back_at_its_starting_level_after_a_ramp_pages_before_the_trend_doubles():
     """The model lost what it learned: a loss at the run's first mean after a ramp of many steps."""
     losses = [2.0] * 20 + [0.5] * 200 + [0.5 * 1.15 ** (i + 1) for i in range(10)] + [2.0] * 30

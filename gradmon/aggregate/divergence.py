@@ -30,7 +30,8 @@ Two tiers, after what separates a divergence from a bad batch in recorded runs:
   bad batch's signature (its loss and gradients spike in the same step): of the spikes before
   it only gradients that led the loss are evidence. Without evidence, a trend that stays
   diverged for ``sustain`` steps pages too. A non-finite loss pages at once. The page holds
-  until the trend falls below ``settled`` times its best.
+  for ``window`` steps at least (the trend's lag), then until the trend falls below
+  ``settled`` times its best.
 
 A batch of bad data (a loss and gradient spike in the same step, from a healthy trend) is a
 warning that clears when the batch has passed; a divergence whose gradients moved first
@@ -281,7 +282,9 @@ class DivergenceWatch:
         while self._spikes and self._spikes[0][0] < now - s.evidence:
             self._spikes.popleft()
         if self.diverging_steps:
-            if settled:
+            # the trend lags the loss by its window: a page confirmed by one loss back at the
+            # starting level would read as settled on the next step and page again on the one after
+            if settled and self.diverging_steps >= s.window:
                 self.diverging_steps, self.evidence = 0, frozenset()
             else:
                 self.diverging_steps += 1
