@@ -25,6 +25,7 @@ from ..statistics import Statistic
 from .collector import CollectorPause
 from .guard import Guards
 from .layers import Layer
+from .modelhooks import ModelHook
 from .records import StepRecords, iter_tensors
 from . import traced
 from .traced import TracedSlots
@@ -310,7 +311,7 @@ class LayerHooks:
             for ref in self._layers:
                 module = ref()
                 if module is not None:
-                    self._handles.append(module.register_forward_hook(self._hook))
+                    self._handles.append(module.register_forward_hook(ModelHook(self._hook)))
         elif not on and self._handles:
             self.remove()
 

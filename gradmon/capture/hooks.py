@@ -49,6 +49,7 @@ from .forward import Forward, LayerHooks
 from .grads import ParamGradients
 from .guard import Guards
 from .layers import Layer
+from .modelhooks import BlockForward, ModelHook
 from .owners import Owners
 from .packet import GlobalStepUpdate, StepPacket
 from .params import ParamSlots
@@ -445,8 +446,8 @@ class HookSet:
                     if layered and id(block) in index:
                         both[id(block)] = index[id(block)]
                     forward.keys[id(block)] = key
-                    self._handles.append(block.register_forward_hook(
-                        forward.layer_block_hook if id(block) in both else forward.block_hook))
+                    self._handles.append(BlockForward(
+                        block, forward.layer_block_hook if id(block) in both else forward.block_hook))
             forward.layer_keys.update((id(layer.module), layer.index) for layer in layers)
             forward.traced = self._traced_slots(recorder, root, layers, blocks, f"{id(recorder):x}")
             if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER):
@@ -454,9 +455,10 @@ class HookSet:
                                                  forward.layer_hook)
                 self._handles.append(forward.layer_hooks)
                 forward.layer_hooks.want(True)  # the first step is a detail step
-            self._handles.append(root.register_forward_pre_hook(forward.on_root_forward_pre, with_kwargs=True))
-            self._handles.append(root.register_forward_hook(forward.on_root_forward))
-            self._handles.append(root.register_forward_hook(forward.on_root_exit, always_call=True))
+            self._handles.append(root.register_forward_pre_hook(ModelHook(forward.on_root_forward_pre),
+                                                                with_kwargs=True))
+            self._handles.append(root.register_forward_hook(ModelHook(forward.on_root_forward)))
+            self._handles.append(root.register_forward_hook(ModelHook(forward.on_root_exit), always_call=True))
             if recorder.scaler is not None:
                 self._handles.append(amp.UpdateHook(recorder.scaler, recorder.on_scaler_update))
             recorder.hook_params()
