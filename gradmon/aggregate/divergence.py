@@ -243,6 +243,7 @@ class DivergenceWatch:
         self.evidence = frozenset()
 
     def step(self, loss: Optional[float], spiked: Iterable[str] = ()) -> None:
+        spiked = tuple(spiked)  # read twice: by the dating and into the spikes kept
         self.steps += 1
         now, s = self.steps, self.settings
         if loss is not None and not math.isfinite(loss):
@@ -263,18 +264,8 @@ class DivergenceWatch:
             # the climb and what came before it are dated once, when the trend reaches
             # ``diverged``: a later restart of the climb (the loss dipping after a bad batch)
             # must not turn the batch's own spikes into evidence from before it
-            onset = self.climb.since if self.climb.since is not None else now
             self._diverged_since = now
-            # a climb is the model's when its loss rose through intermediate values for
-            # ``ramp`` steps; without a ramp, a loss at ``jump`` times its level is a bad
-            # batch's signature: what spiked before it is no evidence either, and it pages
-            # only if it lasts (``sustain``)
-            gradual = self.climb.gradual_steps() >= s.ramp
-            jumped = not gradual and self.climb.top() >= s.jump
-            led = self._gradients_led(onset - s.creep, now, spiked)
-            self._before = led if jumped else frozenset(
-                {signal for at, signal in self._spikes if onset - s.evidence <= at < onset - s.creep}
-                | ({SIGNAL_LOSS_CREEP} if gradual else set()) | led)
+            self._before = self._evidence_before(now, spiked)
         elif not diverged and settled:
             self._diverged_since = None
         for signal in spiked:
@@ -299,7 +290,23 @@ class DivergenceWatch:
         elif self.rising_steps or (ratio >= s.rising and above >= s.floor / 2):
             self.rising_steps += 1
 
-    def _gradients_led(self, since: int, now: int, spiked: Iterable[str]) -> FrozenSet[str]:
+    def _evidence_before(self, now: int, spiked: Tuple[str, ...]) -> FrozenSet[str]:
+        """What, from before the climb that reached ``diverged`` at ``now``, says it is the model."""
+        s = self.settings
+        onset = self.climb.since if self.climb.since is not None else now
+        # a climb is the model's when its loss rose through intermediate values for ``ramp``
+        # steps; without a ramp, a loss at ``jump`` times its level is a bad batch's signature:
+        # what spiked before it is no evidence either, but for gradients that led the loss, and
+        # it pages only if it lasts (``sustain``)
+        gradual = self.climb.gradual_steps() >= s.ramp
+        jumped = not gradual and self.climb.top() >= s.jump
+        led = self._gradients_led(onset - s.creep, now, spiked)
+        if jumped:
+            return led
+        return frozenset({signal for at, signal in self._spikes if onset - s.evidence <= at < onset - s.creep}
+                         | ({SIGNAL_LOSS_CREEP} if gradual else set()) | led)
+
+    def _gradients_led(self, since: int, now: int, spiked: Tuple[str, ...]) -> FrozenSet[str]:
         """The signals that spiked without the loss on a step before which the loss spiked, from
         ``since`` to ``now`` (whose spikes, ``spiked``, are not yet recorded): the gradients moved
         first and the loss followed on the next step, as when an update breaks the model. A bad
