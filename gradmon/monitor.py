@@ -470,6 +470,11 @@ def attach(model: nn.Module, **options: Any) -> Monitor:
     if cfg.disable:
         return Monitor(cfg)
     inner = unwrap(model)
+    if type(model).__name__ == "DataParallel" and len(getattr(model, "device_ids", None) or ()) > 1:
+        raise ValueError(
+            f"gradmon.attach(): nn.DataParallel over {len(model.device_ids)} devices copies the model into a "
+            "replica per device on every forward, and gradmon's checks stay with the original model's blocks; "
+            "use DistributedDataParallel (one process per GPU, see docs/multi-gpu.md) or one device")
     if not has_trainable_parameters(inner):
         raise ValueError(f"gradmon.attach(): {type(inner).__name__} has no trainable parameters "
                          "(all requires_grad=False); there are no gradients to monitor")

@@ -58,6 +58,14 @@ def test_no_trainable_parameters_is_a_value_error():
         gradmon.attach(model)
 
 
+def test_data_parallel_over_several_devices_is_a_value_error_naming_ddp():
+    """Its replicas, made on every forward, would run the original blocks' checked forwards."""
+    model = nn.DataParallel(mlp())  # on a machine without CUDA it keeps no device ids
+    model.device_ids = [0, 1]  # as it holds them on a machine with two GPUs
+    with pytest.raises(ValueError, match="DataParallel over 2 devices.*DistributedDataParallel"):
+        gradmon.attach(model)
+
+
 @pytest.mark.parametrize("options, option", [
     ({"every": -1}, "every"), ({"every": 0}, "every"), ({"detail_every": 0}, "detail_every"),
     ({"port": 70000}, "port"), ({"port": -1}, "port"), ({"addr": "not an address"}, "addr"),
