@@ -26,7 +26,7 @@ from .aggregate import CarriedCounters, Coverage, NonFiniteIncident, Publisher, 
 from .aggregate.history import History
 from .capture import sharded
 from .capture.hooks import HookSet, Recorder
-from .capture.layers import has_trainable_parameters, unwrap
+from .capture.layers import has_trainable_parameters, wrappers
 from .carry import CarryOver
 from .config import Config
 from .errors import ErrorLog
@@ -469,10 +469,13 @@ def attach(model: nn.Module, **options: Any) -> Monitor:
     cfg = _config.resolve(options)
     if cfg.disable:
         return Monitor(cfg)
-    inner = unwrap(model)
-    if type(model).__name__ == "DataParallel" and len(getattr(model, "device_ids", None) or ()) > 1:
+    chain = wrappers(model)
+    inner = chain[-1]
+    replicated = [m for m in chain
+                  if type(m).__name__ == "DataParallel" and len(getattr(m, "device_ids", None) or ()) > 1]
+    if replicated:  # torch.compile's wrapper around it too
         raise ValueError(
-            f"gradmon.attach(): nn.DataParallel over {len(model.device_ids)} devices copies the model into a "
+            f"gradmon.attach(): nn.DataParallel over {len(replicated[0].device_ids)} devices copies the model into a "
             "replica per device on every forward, and gradmon's checks stay with the original model's blocks; "
             "use DistributedDataParallel (one process per GPU, see docs/multi-gpu.md) or one device")
     if not has_trainable_parameters(inner):

@@ -58,10 +58,13 @@ def test_no_trainable_parameters_is_a_value_error():
         gradmon.attach(model)
 
 
-def test_data_parallel_over_several_devices_is_a_value_error_naming_ddp():
-    """Its replicas, made on every forward, would run the original blocks' checked forwards."""
-    model = nn.DataParallel(mlp())  # on a machine without CUDA it keeps no device ids
-    model.device_ids = [0, 1]  # as it holds them on a machine with two GPUs
+@pytest.mark.parametrize("compiled", [False, True])
+def test_data_parallel_over_several_devices_is_a_value_error_naming_ddp(compiled):
+    """Its replicas, made on every forward, would run the original blocks' checked forwards;
+    torch.compile's wrapper around it hides none of that."""
+    parallel = nn.DataParallel(mlp())  # on a machine without CUDA it keeps no device ids
+    parallel.device_ids = [0, 1]  # as it holds them on a machine with two GPUs
+    model = torch.compile(parallel) if compiled else parallel
     with pytest.raises(ValueError, match="DataParallel over 2 devices.*DistributedDataParallel"):
         gradmon.attach(model)
 

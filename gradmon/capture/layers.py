@@ -37,23 +37,25 @@ class Layer:
     name of the module that owns them, whose gradient norm includes them."""
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module whose names users know: DDP/FSDP1 wrappers and torch.compile's
-    OptimizedModule prefix every name with ``module.``/``_orig_mod.``."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
+def wrappers(model: nn.Module) -> List[nn.Module]:
+    """``model`` and each module it wraps, down to the one whose names users know (the
+    last): DDP/FSDP1/DataParallel wrappers and torch.compile's OptimizedModule prefix every
+    name with ``module.``/``_orig_mod.``."""
+    chain = [model]
+    while True:
         inner = getattr(model, "_orig_mod", None)
-        if isinstance(inner, nn.Module):
-            model = inner
-            continue
-        if type(model).__name__ in ("DistributedDataParallel", "DataParallel",
-                                    "FullyShardedDataParallel") and isinstance(
-                getattr(model, "module", None), nn.Module):
-            model = model.module
-            continue
-        break
-    return model
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None) if type(model).__name__ in (
+                "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel") else None
+        if not isinstance(inner, nn.Module) or any(inner is m for m in chain):
+            return chain
+        chain.append(inner)
+        model = inner
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose names users know (:func:`wrappers`)."""
+    return wrappers(model)[-1]
 
 
 def is_ddp(model: nn.Module) -> bool:
