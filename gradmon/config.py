@@ -19,6 +19,13 @@ from typing import Any, Callable, Dict, FrozenSet, Iterator, Mapping, Optional, 
 
 LayerType = Union[str, type]
 
+ATTENTION_LAYERS: Tuple[str, ...] = (
+    "*q_proj", "*k_proj", "*qkv*", "*c_attn", "*query_key_value", "*.query", "*.key", "*.wq", "*.wk",
+    "*.q", "*.k", "*to_q", "*to_k", "*q_lin", "*k_lin")
+"""The query and key projections' names in common models (Llama/Mistral ``q_proj``, GPT-2
+``c_attn``, fused ``qkv``/``Wqkv``, GPT-NeoX ``query_key_value``, BERT ``query``/``key``,
+torchtitan ``wq``/``wk``, T5 ``q``/``k``, diffusers ``to_q``, DistilBERT ``q_lin``)."""
+
 
 @dataclass(frozen=True)
 class Config:
@@ -131,6 +138,14 @@ class Config:
 
     layer_types: Tuple[LayerType, ...] = ()
     """Module classes (or their class names) to monitor; empty means every layer type."""
+
+    attention_layers: Tuple[str, ...] = ATTENTION_LAYERS
+    """Glob patterns over layer names that find the attention's query and key projections
+    (a fused qkv one included): each such layer's output max |x| is exported as its growth
+    since attach (gradmon_activation_growth{role="attention"}), and
+    GradmonAttentionGrowth warns when it grows far (the attention-logit growth that
+    precedes many transformer divergences). Empty: no layer. Read on the publisher thread
+    from the detail steps' records: no training-time cost."""
 
     activations: bool = True
     """Activation RMS / max|x| / non-finite counts from forward hooks."""
@@ -521,7 +536,7 @@ def _check_cadence(cfg: Config) -> None:
 
 def _check_selection(cfg: Config) -> None:
     """Which layers are monitored and the labels every series carries."""
-    for name in ("include", "exclude"):
+    for name in ("include", "exclude", "attention_layers"):
         if not all(getattr(cfg, name)):
             _fail(name, f"must not contain an empty pattern, got {getattr(cfg, name)!r}")
     if not all(cfg.layer_types):
@@ -667,7 +682,7 @@ def resolve(options: Mapping[str, Any], environ: Optional[Mapping[str, str]] = N
         raise TypeError(
             f"gradmon.attach() got unknown option(s) {unknown}; valid options: {sorted(known)}")
     merged = dict(options)
-    for key in ("include", "exclude", "layer_types"):
+    for key in ("include", "exclude", "layer_types", "attention_layers"):
         if key in merged and isinstance(merged[key], (str, type)):
             merged[key] = (merged[key],)
         if isinstance(merged.get(key), (list, set, frozenset)):

@@ -39,7 +39,9 @@ SIGNAL_LOSS = "loss"
 SIGNAL_GRAD_NORM = "grad_norm"
 SIGNAL_LOCAL_GRAD_NORM = "local_grad_norm"
 SIGNAL_LAYER_GRAD_NORM = "layer_grad_norm"
-SPIKE_SIGNALS: Tuple[str, ...] = (SIGNAL_LOSS, SIGNAL_GRAD_NORM, SIGNAL_LOCAL_GRAD_NORM, SIGNAL_LAYER_GRAD_NORM)
+SIGNAL_ATTENTION_GROWTH = "attention_growth"  # an event, not a scored spike: an attention layer's growth doubled
+SPIKE_SIGNALS: Tuple[str, ...] = (SIGNAL_LOSS, SIGNAL_GRAD_NORM, SIGNAL_LOCAL_GRAD_NORM, SIGNAL_LAYER_GRAD_NORM,
+                                  SIGNAL_ATTENTION_GROWTH)
 
 #: Values of the ``reason`` label of gradmon_guard_skipped_steps_total: why the step guard
 #: (``guard=``) skipped an optimizer step.
@@ -141,6 +143,14 @@ ADAM_RMS = _spec("adam_rms", "gauge", ("layer",),
                  "AdamW): bounded by about (1-β2)^(-1/2); near the bound, v̂ lags a gradient spike.",
                  doc="`sqrt(mean(g²/max(v̂, ε²)))` over the layer's parameters at the last `optimizer_every` step"
                      " (Adam, AdamW); bounded by about `(1-β2)^(-1/2)`")
+ADAM_GRAD_RMS_OVER_EPS = _spec(
+    "adam_grad_rms_over_eps", "gauge", ("layer",),
+    "sqrt(mean(v̂))/ε of the layer's parameters at the last optimizer_every step (Adam, AdamW): the gradients' "
+    "scale as Adam sees it, in units of its ε; near 1 or below, ε dominates the update's denominator.",
+    doc="`sqrt(mean(v̂))/ε` over the layer's parameters at the last `optimizer_every` step (Adam, AdamW): "
+        "the gradients' RMS as Adam's second moment holds it, in units of the parameter group's `eps`. Near 1 "
+        "or below, ε dominates `√v̂ + ε`: the layer's updates shrink toward SGD with `lr/ε`, the regime "
+        "Molybog et al. (2023) tie to loss spikes in large runs")
 PARAM_NORM = _spec("param_norm", "gauge", ("layer",),
                    "L2 norm of the layer's parameters after the last optimizer_every step.",
                    doc="L2 norm of the layer's parameters right after the optimizer's step, read at the last "
@@ -174,6 +184,16 @@ LEARNING_RATE = _spec("learning_rate", "gauge", ("group",),
                       "Learning rate of each parameter group (index) of the optimizer at the last step.",
                       doc="Learning rate of each param group (`\"0\"`, `\"1\"`...) of the optimizer that closed the "
                           "last step; every rank exports it")
+ROLE_ATTENTION, ROLE_OUTPUT = "attention", "output"
+ACTIVATION_GROWTH = _spec("activation_growth", "gauge", ("layer", "role"),
+                          "Max |x| of an attention query/key projection's output (role=attention) or of the "
+                          "model's last linear layer, its logits (role=output), over its first detail "
+                          "measurement since attach.",
+                          doc="max |x| of the layer's output at the last detail step over its first one since "
+                              "attach (the first finite, positive one): how far it grew. `role=\"attention\"`: the "
+                              "layers `attention_layers` names (query and key projections); `role=\"output\"`: "
+                              "the model's last `nn.Linear` (its logits). Only those layers have the series",
+                          values=(("role", (ROLE_ATTENTION, ROLE_OUTPUT)),))
 ACTIVATION_ABS_MAX_RATIO = _spec("activation_abs_max_ratio", "gauge", ("layer",),
                                  "The layer's output max |x| over its own baseline: the median of its last "
                                  "activation_baseline detail measurements (absent until 8 exist).",

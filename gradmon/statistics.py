@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -168,6 +168,17 @@ class LayerGauge:
     """The baseline is forgotten where the spike windows restart (a learning-rate jump, a
     resumed run): for values that move with the learning rate, whose old median would
     make a warm restart look like a blow-up (and a drop to a low rate like a recovery)."""
+    since_first: bool = False
+    """Export ``value`` divided by the layer's first finite, positive value since attach:
+    how far it grew (a slow growth that a rolling ``baseline`` would follow)."""
+    doublings: Optional[Tuple[Callable[[Any], float], str]] = None
+    """With ``since_first``: (a threshold from ``gradmon.thresholds.Thresholds``, a spike
+    signal): a layer's value first reaching the threshold times 2^k (k = 0, 1, ...) counts
+    one step of the signal (``SpikeTracker.event``), so that a growth warns as it
+    escalates rather than for as long as it lasts."""
+    role: Optional[str] = None
+    """Exported only for the layers attach() found in this role (``metrics.ROLE_*``: the
+    attention's query and key projections, the model's output layer), not for every layer."""
     panel: Optional[Panel] = None
     """Its panel on the Layers dashboard; None: none (a family several gauges share is
     drawn once, from the first that declares a panel)."""
@@ -254,7 +265,8 @@ class Statistic:
     @property
     def series_per_layer(self) -> int:
         """Series one layer costs: a gauge each, and the nan/inf pair of its counter."""
-        return sum(g.per_layer for g in self.gauges) + (len(M.NONFINITE_KINDS) if self.counter is not None else 0)
+        return (sum(g.per_layer and g.role is None for g in self.gauges)
+                + (len(M.NONFINITE_KINDS) if self.counter is not None else 0))
 
     def index(self, column: str) -> int:
         return [c.name for c in self.columns].index(column)
@@ -341,7 +353,17 @@ ACTIVATION = Statistic(
                        panel=Panel("Activation max |x| by layer", log=True,
                                    line=("red", lambda th: th.activation_abs_max))),
             LayerGauge(M.ACTIVATION_ABS_MAX_RATIO, _abs_max, baseline="activation_baseline",
-                       panel=Panel("Activation max |x| over its own baseline", log=True))),
+                       panel=Panel("Activation max |x| over its own baseline", log=True)),
+            LayerGauge(M.ACTIVATION_GROWTH, _abs_max, labels={"role": M.ROLE_ATTENTION}, since_first=True,
+                       role=M.ROLE_ATTENTION,
+                       doublings=(lambda th: th.attention_growth, M.SIGNAL_ATTENTION_GROWTH), panel=Panel(
+                           "Attention projections' and logits' max |x| since attach", log=True,
+                           line=("orange", lambda th: th.attention_growth),
+                           description="Growth of the query/key projections' outputs (role=attention) and of "
+                                       "the logits (role=output) over their first measurement; "
+                                       "GradmonAttentionGrowth warns above the line.")),
+            LayerGauge(M.ACTIVATION_GROWTH, _abs_max, labels={"role": M.ROLE_OUTPUT}, since_first=True,
+                       role=M.ROLE_OUTPUT)),
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_ACTIVATION}, rank_tensor=M.TENSOR_ACTIVATION,
     origin=M.TENSOR_ACTIVATION,
     coverage=M.FAMILY_ACTIVATION, detail=True)
@@ -425,6 +447,15 @@ ADAM_RMS = Statistic(
         "Adam RMS(g / sqrt(v)) by layer", line=("orange", lambda th: th.adam_rms_spike),
         description="About 1 when healthy; far above, the second moment lags a gradient spike.")),))
 
+# sqrt(Σ v̂/ε²) rooted over numel: the gradients' RMS as Adam's second moment sees it, in ε.
+ADAM_EPS = Statistic(
+    "adam_eps", "optimizer_every", OPTIMIZER, ((Column("norm", NORM),),),
+    lambda reading: reading.eps, reduced=True,
+    gauges=(LayerGauge(M.ADAM_GRAD_RMS_OVER_EPS, _rms, panel=Panel(
+        "Adam sqrt(v) / eps by layer", log=True,
+        description="The gradients' scale as Adam sees it, in units of its epsilon: near 1 or below, eps "
+                    "dominates the update's denominator and the layer's updates shrink.")),))
+
 # The weights after the step, every element read: shards combine as the gradients' do.
 PARAM_NORM = Statistic(
     "param_norm", "optimizer_every", WEIGHT, ((Column("norm", NORM),),),
@@ -434,7 +465,7 @@ PARAM_NORM = Statistic(
 #: Every statistic, in packet order.
 STATISTICS: Tuple[Statistic, ...] = (GRAD, ACTIVATION, GRAD_FLOW, LOCAL, BLOCK_FINITE, LAYER_FINITE,
                                      UPDATE_RATIO, ADAM_RMS, ACTIVATION_KURTOSIS, FP16_ACTIVATION, FP16_GRAD,
-                                     PARAM_NORM)
+                                     PARAM_NORM, ADAM_EPS)
 
 
 def enabled(cfg: Any, **resolved: object) -> Tuple[Statistic, ...]:
@@ -450,14 +481,17 @@ def series_per_layer(statistics: Sequence[Statistic]) -> int:
     return sum(s.series_per_layer for s in statistics)
 
 
-def spike_signals(statistics: Sequence[Statistic], reduced_here: bool) -> Tuple[str, ...]:
+def spike_signals(statistics: Sequence[Statistic], reduced_here: bool,
+                  roles: Optional[Mapping[str, Collection[int]]] = None) -> Tuple[str, ...]:
     """The spike signals a rank scores: the loss, the total of each enabled statistic that
-    declares one, and the jumps its gauges declare; a reduced statistic's (identical on
-    every rank) only where this rank exports the reduced series (rank 0 under DDP/FSDP),
-    so a job counts one spike once."""
+    declares one, the jumps its gauges declare, and their doublings where the gauge's role
+    has layers in ``roles``; a reduced statistic's (identical on every rank) only where this
+    rank exports the reduced series (rank 0 under DDP/FSDP), so a job counts one spike once."""
     here = [s for s in statistics if reduced_here or not s.reduced]
     return ((M.SIGNAL_LOSS,) + tuple(s.spike for s in here if s.spike)
-            + tuple(g.jump for s in here for g in s.gauges if g.jump))
+            + tuple(g.jump for s in here for g in s.gauges if g.jump)
+            + tuple(g.doublings[1] for s in here for g in s.gauges
+                    if g.doublings and (g.role is None or (roles or {}).get(g.role))))
 
 
 def _check(table: Sequence[Statistic]) -> None:

@@ -30,6 +30,11 @@ class Thresholds:
     """A layer gradient norm below this fraction of its own recent median is vanishing."""
     activation_abs_max: float = 3.0e4
     """max|x| of an activation near fp16's 65504 overflows at the next multiply."""
+    attention_growth: float = 8.0
+    """A query or key projection's max|x| this many times its first measurement: the
+    attention logits, their product, have grown some 64x (the attention-logit growth that
+    precedes many transformer divergences). On the alert corpus's tune split, healthy
+    transformers' projections grew at most about 3x over a run."""
     divergence_factor: float = 10.0
     """A rank's local (pre-all-reduce) norm this many times the ranks' median (or, with two
     ranks, the other rank's) is diverging."""

@@ -25,7 +25,7 @@ from .aggregate.skips import KIND_GUARD, ExcludeList, GuardSkips, OnPersist
 from .aggregate.spikes import SpikeTracker
 from .capture import sharded
 from .capture.hooks import Recorder
-from .capture.layers import Layer, discover, is_ddp, top_blocks
+from .capture.layers import Layer, discover, is_ddp, roles, top_blocks
 from .capture.stepguard import StepGuard, agreement_groups, modes
 from .config import Config
 from .errors import ErrorLog
@@ -102,18 +102,20 @@ def _aggregator(cfg: Config, name: str, rank: RankInfo, layers: Sequence[Layer],
                 blocks: Sequence[Tuple[str, nn.Module]], grouping: Grouping, statistics: Sequence[S.Statistic],
                 recorder: Recorder, reduced_per_layer: bool, history: Optional[History],
                 on_incident: Callable[[NonFiniteIncident, bool], None]) -> Aggregator:
+    # each role's layers by their exported (grouped) index
+    exported = {role: frozenset(grouping.of_layer[i] for i in found) for role, found in roles(layers, cfg).items()}
     return Aggregator(grouping.names, recorder.param_layer, statistics, name, grouping.of_layer,
                       rank.rank, on_incident, amp=cfg.scaler is not None,
                       tied={layer.index: layer.tied_to for layer in layers if layer.tied_to},
                       block_names=(M.BLOCK_INPUT, *(block for block, _ in blocks), M.BLOCK_OUTPUT),
-                      spikes=SpikeTracker(S.spike_signals(statistics, reduced_per_layer),
+                      spikes=SpikeTracker(S.spike_signals(statistics, reduced_per_layer, exported),
                                           cfg.spike_threshold, cfg.spike_window, cfg.spike_min_steps,
                                           raw_below_zero=(M.SIGNAL_LOSS,),
                                           layers={M.SIGNAL_LAYER_GRAD_NORM: cfg.norm_jump_ratio}),
                       divergence=DivergenceWatch(DivergenceSettings(floor=cfg.loss_floor)),
                       windows={g.baseline: getattr(cfg, g.baseline)
                                for st in statistics for g in st.gauges if g.baseline},
-                      baseline_warmup=cfg.baseline_warmup, history=history)
+                      baseline_warmup=cfg.baseline_warmup, history=history, roles=exported)
 
 
 def _black_box(cfg: Config, name: str, rank: RankInfo, errors: ErrorLog, layers: Sequence[Layer],

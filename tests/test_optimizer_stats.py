@@ -137,6 +137,10 @@ def test_adam_rms_is_the_gradient_over_the_root_of_the_bias_corrected_second_mom
             got = value(s, "gradmon_adam_rms", layer=layer)
             assert got == pytest.approx(expected, rel=1e-4), (t, layer)
             assert got <= (1 - beta2) ** -0.5 * (1 + 1e-6)  # the documented bound
+            # the gradients' scale as the second moment holds it, in units of ε
+            second = sum((v[id(p)] / (1 - beta2 ** t)).sum().item() for p in _params(model, layer))
+            assert value(s, "gradmon_adam_grad_rms_over_eps", layer=layer) == pytest.approx(
+                math.sqrt(second / numel) / eps, rel=1e-4), (t, layer)
         if t == 1:
             assert got == pytest.approx(1.0, rel=1e-4)  # v̂_1 = g_1²
 
@@ -149,7 +153,7 @@ def test_sgd_has_no_adam_rms(attach):
     opt.step()
     s = fresh(mon)
     assert value(s, "gradmon_update_to_weight_ratio", layer="0") > 0
-    assert not [k for k in s if k[0] == "gradmon_adam_rms"]
+    assert not [k for k in s if k[0] in ("gradmon_adam_rms", "gradmon_adam_grad_rms_over_eps")]
 
 
 def test_learning_rate_of_every_param_group_follows_a_scheduler(attach):
@@ -394,6 +398,7 @@ def test_step_counts_kept_on_the_device_are_read_in_one_batch_with_the_same_sums
     host_batches = O._batches(opt, params, True, sample)
     assert len(batches) <= len(host_batches) < len(params)  # not one per parameter
     assert all(b.steps and b.step is None for b in batches)
-    for got, want in ((on_device.update, on_host.update), (on_device.adam, on_host.adam)):
+    for got, want in ((on_device.update, on_host.update), (on_device.adam, on_host.adam),
+                      (on_device.eps, on_host.eps)):
         assert got[1] == want[1]
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)

@@ -240,6 +240,19 @@ CASES.update({
         [steps(), since("_x10 0 20 200x20", "layer_grad_norm")],
         [alert("GradmonGradNormJump", "11m", ("warning", target(rank="0", signal="layer_grad_norm"))),
          alert("GradmonGradNormJump", "14m"), alert("GradmonGradNormJumpSevere", "11m")]),
+    "attention_growth_warns_as_it_reaches_its_bar_and_each_doubling": (
+        # 100 steps a minute: the projection reaches 9x at 10m (an event), 12x at 11-12m (none:
+        # the warning clears), 17x at 13m (the next doubling: warns again)
+        [steps(), layer("gradmon_activation_growth", "2x9 9 12 12 17x5", "blocks.0.qkv", role="attention"),
+         since("_x10 0 100 200 0 100x5", "attention_growth")],
+        [alert("GradmonAttentionGrowth", "10m", ("warning", target(rank="0", layer="blocks.0.qkv"))),
+         alert("GradmonAttentionGrowth", "11m"),
+         alert("GradmonAttentionGrowth", "13m", ("warning", target(rank="0", layer="blocks.0.qkv")))]),
+    "no_attention_growth_warning_for_the_logits_or_a_modest_growth": (
+        # the logits' growth has no event; a projection at 3x had none either
+        [steps(), layer("gradmon_activation_growth", "2x9 9x5", "head", role="output"),
+         layer("gradmon_activation_growth", "3x15", "blocks.0.qkv", role="attention")],
+        [alert("GradmonAttentionGrowth", "10m"), alert("GradmonAttentionGrowth", "12m")]),
     # -- the page: a divergence confirmed in the process, named by its evidence
     "a_confirmed_divergence_pages_while_it_lasts": (
         [steps(), series("gradmon_loss_diverging_steps", "0x10 1+1x10 0x10", rank="0")],

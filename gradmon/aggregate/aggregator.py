@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from operator import itemgetter
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,6 +34,9 @@ from .skips import GuardSkips
 from .snapshot import Snapshot, WorstNames, per_layer, signal_gauges, spike_series, totals
 from .spikes import SpikeTracker
 
+NOT_EVIDENCE = frozenset({M.SIGNAL_ATTENTION_GROWTH})
+"""Spike signals that DivergenceWatch does not read as evidence of a divergence."""
+
 
 class Aggregator:
     """Cumulative state of one monitor. Used only by the publisher thread."""
@@ -45,7 +48,7 @@ class Aggregator:
                  tied: Optional[Mapping[int, str]] = None, block_names: Sequence[str] = (),
                  spikes: Optional[SpikeTracker] = None, windows: Optional[Mapping[str, int]] = None,
                  history: Optional[History] = None, divergence: Optional[DivergenceWatch] = None,
-                 baseline_warmup: int = 0) -> None:
+                 baseline_warmup: int = 0, roles: Optional[Mapping[str, FrozenSet[int]]] = None) -> None:
         """``layer_names`` are the exported names (groups, when grouping); ``layer_group``
         maps the recorder's layer index to them; ``param_layer`` maps each parameter to
         the recorder's layer index; ``tied`` maps a recorder layer without parameters of
@@ -53,13 +56,14 @@ class Aggregator:
         keys (``input``, the root's children, ``output``); ``spikes`` scores the loss and
         the statistics' totals (default: every signal, default settings); ``windows`` the
         length of each baseline gauge's window by its Config field (see ``LayerGauge.baseline``);
-        ``baseline_warmup`` the steps whose values enter no baseline (Config.baseline_warmup)."""
+        ``baseline_warmup`` the steps whose values enter no baseline (Config.baseline_warmup);
+        ``roles`` the exported layers of each role (``LayerGauge.role``)."""
         names = self.layer_names = tuple(layer_names)
         group = tuple(layer_group) if layer_group is not None else tuple(range(len(names)))
         param_group = tuple(group[layer] for layer in param_layer)
         statistics = tuple(statistics)
         self.grouped_layers = len(group) - len(names)
-        self.folded = _folds(statistics, len(names), windows or {}, group, param_group)
+        self.folded = _folds(statistics, len(names), windows or {}, group, param_group, roles or {})
         self.counts = Counters(statistics, len(names), amp)
         self.histogram = NormHistogram()
         # The grad family applies exactly where a measured parameter lives: the same
@@ -70,7 +74,7 @@ class Aggregator:
         self.origins = OriginTracker(model, rank, names, block_names, on_incident)
         self.last = LastStep()
         self.spikes = spikes if spikes is not None else SpikeTracker(
-            S.spike_signals(statistics, reduced_here=True), raw_below_zero=(M.SIGNAL_LOSS,))
+            S.spike_signals(statistics, reduced_here=True, roles=roles), raw_below_zero=(M.SIGNAL_LOSS,))
         self.divergence = divergence if divergence is not None else DivergenceWatch()
         self.baseline_warmup = baseline_warmup
         self.history = history  # the live page's ring buffers, filled step by step here
@@ -141,7 +145,9 @@ class Aggregator:
             if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
                 self.cover.detail_backward()
         paged = self.divergence.divergences
-        self.divergence.step(self.last.step_loss, self.spikes.this_step)
+        # a growth's doubling is not (yet) evidence of a divergence: the evidence was chosen
+        # from the loss's and the gradients' spikes, on the tune split
+        self.divergence.step(self.last.step_loss, self.spikes.this_step - NOT_EVIDENCE)
         if self.divergence.divergences > paged and self.black_box is not None:
             # written before any snapshot counts the divergence, as a non-finite incident's
             self.black_box.write(Moment(packet.global_step), KIND_DIVERGENCE, divergence_reason(self.divergence))
@@ -204,6 +210,9 @@ class Aggregator:
             for gauge in stat.gauges:
                 if gauge.jump is not None:
                     self.spikes.observe_layers(gauge.jump, dict(zip(acc, values[gauge])))
+            for signal in f.events:
+                self.spikes.event(signal)
+            f.events.clear()
         return bad
 
     def _accumulate(self, f: Folded, section: Section, rows: Sequence[Sequence[float]]
@@ -307,8 +316,8 @@ class Aggregator:
 
 
 def _folds(statistics: Sequence[Statistic], layers: int, windows: Mapping[str, int], group: Sequence[int],
-           param_group: Sequence[int]) -> Dict[str, Folded]:
+           param_group: Sequence[int], roles: Mapping[str, FrozenSet[int]]) -> Dict[str, Folded]:
     """Each statistic's fold, its records keyed by block, by parameter or by layer."""
     windows = {**{g.baseline: S.MIN_BASELINE for st in statistics for g in st.gauges if g.baseline}, **windows}
     return {st.name: Folded(st, layers, windows, None if st.at == S.BLOCK else
-                            param_group if st.by_parameter else group) for st in statistics}
+                            param_group if st.by_parameter else group, roles) for st in statistics}

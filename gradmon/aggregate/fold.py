@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Callable, Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,7 +52,10 @@ nobody scrapes judges them every this many, so that they never pile up."""
 class Folded:
     """One statistic's cumulative state in the aggregator."""
 
-    def __init__(self, stat: Statistic, n: int, windows: Mapping[str, int], slots: Optional[Sequence[int]]) -> None:
+    def __init__(self, stat: Statistic, n: int, windows: Mapping[str, int], slots: Optional[Sequence[int]],
+                 roles: Optional[Mapping[str, FrozenSet[int]]] = None) -> None:
+        """``roles``: the (grouped) layers of each role a gauge may be declared for
+        (``LayerGauge.role``); a role not given has no layers."""
         self.stat = stat
         self.slots = slots
         """The (grouped) layer each record key stands for; None: the key is the slot (a block)."""
@@ -68,6 +71,14 @@ class Folded:
         self.streaks: Dict[LayerGauge, List[int]] = {g: [0] * n for g in stat.gauges if g.above is not None}
         self._arrived: Dict[LayerGauge, Dict[int, List[Optional[float]]]] = {g: {} for g in self.streaks}
         self._above = {g: g.above[0](Thresholds()) for g in self.streaks}  # type: ignore[index]
+        # each role gauge's layers, and each growth gauge's first value per layer
+        self._roles = {g: (roles or {}).get(g.role, frozenset()) for g in stat.gauges if g.role is not None}
+        self._first: Dict[LayerGauge, List[Optional[float]]] = {g: [None] * n for g in stat.gauges if g.since_first}
+        # each doublings gauge's bar and the highest doubling each layer reached (-1: none)
+        self._bars = {g: g.doublings[0](Thresholds()) for g in stat.gauges if g.doublings is not None}
+        self._reached: Dict[LayerGauge, List[int]] = {g: [-1] * n for g in self._bars}
+        self.events: List[str] = []
+        """The signals of the doublings reached since the aggregator last took them."""
         self.total: Optional[float] = None
         columns = stat.columns
         self.nan = stat.index("nan") if stat.counter is not None else -1
@@ -253,7 +264,9 @@ class Folded:
             values = read.get(gauge.value)
             if values is None:
                 values = read[gauge.value] = list(map(gauge.value, columns))
-            if gauge.baseline is None:
+            if gauge.role is not None or gauge.since_first:
+                self._growth(gauge, acc, values)
+            elif gauge.baseline is None:
                 store = self.gauges[gauge]
                 for layer, x in zip(acc, values):
                     store[layer] = x
@@ -261,6 +274,31 @@ class Folded:
                 self._baselines(gauge, acc, values, baseline)
             out[gauge] = values
         return out
+
+    def _growth(self, gauge: LayerGauge, layers: Iterable[int], values: Sequence[Optional[float]]) -> None:
+        """One step's values of a gauge kept for its role's layers only and, ``since_first``,
+        divided by each layer's first finite, positive value (until there is one: none); a
+        layer reaching a new doubling of a ``doublings`` gauge's bar adds its signal to
+        :attr:`events`, once a step."""
+        store, first = self.gauges[gauge], self._first.get(gauge)
+        wanted = self._roles.get(gauge)
+        bar, reached = self._bars.get(gauge), self._reached.get(gauge)
+        doubled = False
+        for layer, x in zip(layers, values):
+            if wanted is not None and layer not in wanted:
+                continue
+            if first is not None:
+                if first[layer] is None:
+                    first[layer] = x if x is not None and 0.0 < x < math.inf else None
+                x = S.relative(x, first[layer]) if first[layer] is not None else None
+            store[layer] = x
+            if reached is not None and x is not None and bar <= x < math.inf:
+                level = int(math.log2(x / bar))  # type: ignore[operator]
+                if level > reached[layer]:
+                    reached[layer] = level
+                    doubled = True
+        if doubled:
+            self.events.append(gauge.doublings[1])  # type: ignore[index]
 
     def restart(self) -> None:
         """Forget the baselines declared to restart with the spike windows."""

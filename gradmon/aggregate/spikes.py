@@ -275,6 +275,12 @@ class SpikeTracker:
             self._scores[signal] = verdict.score
             self._count(signal, verdict.spike)
 
+    def event(self, signal: str) -> None:
+        """A step of a signal that no detector scores (an event decided elsewhere, such as an
+        attention layer's growth doubling) counted as a spike step of it."""
+        if signal in self.spikes:
+            self._count(signal, True)
+
     def _count(self, signal: str, spike: bool) -> None:
         if spike:
             self.spikes[signal] += 1

@@ -9,6 +9,7 @@ from typing import List
 from .. import metrics as M
 from ..thresholds import Thresholds, Timing, dur
 from .alert import NEVER_FP32, NEVER_SINGLE_RANK, WHERE, Alert
+from .spikes import recent_spike
 from .names import (LOCAL_GLOBAL_NORM, REC_GLOBAL_BASELINE, REC_GLOBAL_POST_WARMUP, REC_LAYER_BASELINE,
                     REC_LAYER_POST_WARMUP, REC_LOCAL_MEDIAN, REC_LOCAL_MIN, REC_LOCAL_RANKS, TARGET, sample)
 
@@ -78,6 +79,19 @@ def activation_blowup(th: Thresholds, t: Timing) -> Alert:
         f"max by ({TARGET}, layer) ({M.ACTIVATION_ABS_MAX.name} or {M.ACTIVATION_ABS_MAX_WORST.name}) "
         f"> {th.activation_abs_max:g}",
         t.activation_for)
+
+
+def attention_growth(th: Thresholds, t: Timing) -> Alert:
+    return Alert(
+        "GradmonAttentionGrowth", "warning", "Attention projections growing",
+        f"max|x| of attention projection {{{{ $labels.layer }}}}'s output is {{{{ $value | humanize }}}}x its "
+        f"first measurement ({WHERE}), and an attention layer reached {th.attention_growth:g}x or a doubling of it "
+        f"in the last {th.spike_hold_steps} steps: the attention logits are growing, which precedes many "
+        "transformer divergences (QK-layernorm or a lower learning rate are the usual fixes).",
+        f"max by ({TARGET}, layer) ({M.ACTIVATION_GROWTH.name}{{role=\"{M.ROLE_ATTENTION}\"}}) "
+        f">= {th.attention_growth:g}\n"
+        f"and on({TARGET}) {recent_spike(th, t, (M.SIGNAL_ATTENTION_GROWTH,), TARGET)}",
+        0)
 
 
 def loss_scale_collapse(th: Thresholds, t: Timing) -> Alert:

@@ -8,7 +8,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import metrics as M
 from ..thresholds import PRODUCTION, Thresholds, Timing, dur
 from .alert import Alert, past_warmup
-from .health import activation_blowup, guard_alerts, loss_scale_collapse, nonfinite, norm_alerts, rank_divergence
+from .health import (activation_blowup, attention_growth, guard_alerts, loss_scale_collapse, nonfinite, norm_alerts,
+                     rank_divergence)
 from .liveness import liveness_alerts
 from .names import (LOCAL_GLOBAL_NORM, REC_GLOBAL_BASELINE, REC_GLOBAL_POST_WARMUP, REC_LAYER_BASELINE,
                     REC_LAYER_POST_WARMUP, REC_LOCAL_MEDIAN, REC_LOCAL_MIN, REC_LOCAL_RANKS, REC_STEPS_RATE,
@@ -36,6 +37,7 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
         nonfinite(t),
         *norm_alerts(th, t),
         activation_blowup(th, t),
+        attention_growth(th, t),
         *liveness_alerts(th, t),
         loss_scale_collapse(th, t),
         *guard_alerts(th, t),
@@ -47,7 +49,7 @@ def alerts(th: Thresholds, t: Timing) -> List[Alert]:
 INHIBITIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     # one fault, one page: a NaN explains the explosion, vanishing and divergence that follow it
     ("GradmonNonFiniteGradients", ("GradmonGradientExplosion", "GradmonVanishingGradients",
-                                   "GradmonRankDivergence", "GradmonActivationBlowup",
+                                   "GradmonRankDivergence", "GradmonActivationBlowup", "GradmonAttentionGrowth",
                                    "GradmonGradNormSpike", "GradmonGradNormAboveBaseline",
                                    "GradmonUpdateRatioAboveBaseline", "GradmonAdamRmsSpike", "GradmonGradNormJump",
                                    "GradmonLocalGradNormAboveBaseline")),

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from .. import metrics as M
 from ..config import Config, utf8_text
 
 ROOT_LABEL = "(root)"
@@ -89,6 +90,16 @@ def _name_selected(name: str, cfg: Config) -> bool:
     if cfg.include and not any(fnmatch.fnmatchcase(name, p) for p in cfg.include):
         return False
     return not any(fnmatch.fnmatchcase(name, p) for p in cfg.exclude)
+
+
+def roles(layers: Sequence[Layer], cfg: Config) -> Dict[str, FrozenSet[int]]:
+    """The layers (indices) of each role a gauge may watch: the attention's query and key
+    projections (``attention_layers``) and the output layer, the last ``nn.Linear``, whose
+    outputs are the logits in the models this is for (a tied head included)."""
+    attention = frozenset(layer.index for layer in layers
+                          if any(fnmatch.fnmatchcase(layer.name, p) for p in cfg.attention_layers))
+    linear = [layer.index for layer in layers if isinstance(layer.module, nn.Linear)]
+    return {M.ROLE_ATTENTION: attention, M.ROLE_OUTPUT: frozenset(linear[-1:])}
 
 
 # Wrappers that FSDP1 and activation checkpointing insert between a module and its

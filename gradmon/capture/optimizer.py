@@ -24,6 +24,7 @@ large parameters are cut into pieces so that a batch's temporaries stay within
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -36,6 +37,7 @@ log = logging.getLogger("gradmon")
 CHUNK_BYTES = 64 * 2 ** 20
 """Most bytes of float32 temporaries alive at once while reading one batch."""
 _TEMPORARIES = 5  # float32 pieces alive at once in _adam_sums (at most)
+_COLUMNS = 4  # a row of sums: Σ(Δw)², Σw², Σ g'²/max(v̂, ε²), Σ v̂/ε² (the last two 0 for SGD)
 CHUNK = min(CHUNK_BYTES // (4 * _TEMPORARIES), 2 ** 20)
 """Most elements of one batch. Smaller than the memory cap allows: the passes over a
 batch of 4 MB pieces find it still in the CPU's cache (against larger batches:
@@ -51,12 +53,13 @@ Rows = Tuple[torch.Tensor, Tuple[int, ...]]
 @dataclass(frozen=True)
 class Reading:
     """One step of one optimizer, for the parameters it read. ``update`` rows are
-    (‖Δw‖, ‖w_{t-1}‖); ``adam`` rows are sqrt(Σ g'²/max(v̂, ε²)) (Adam family only).
-    Rows are ``(tensor (n, width) on home, parameter positions)`` as the hooks' batched
-    records are; None: no parameter read."""
+    (‖Δw‖, ‖w_{t-1}‖); ``adam`` rows are sqrt(Σ g'²/max(v̂, ε²)) and ``eps`` rows
+    sqrt(Σ v̂/ε²) (Adam family only). Rows are ``(tensor (n, width) on home, parameter
+    positions)`` as the hooks' batched records are; None: no parameter read."""
 
     update: Optional[Rows]
     adam: Optional[Rows]
+    eps: Optional[Rows] = None
 
 
 def supported(opt: torch.optim.Optimizer) -> bool:
@@ -219,15 +222,17 @@ def _read(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], home: torc
         pieces.append(rows.to(home, non_blocking=True))
         owners += batch.owners
     if not pieces:
-        return Reading(None, None)
+        return Reading(None, None, None)
     read_at = sorted(set(owners))
     slot = {j: k for k, j in enumerate(read_at)}
     index = stats.host_values([slot[j] for j in owners], home)
-    sums = torch.zeros(len(read_at), 3, dtype=torch.float64, device=home)
+    sums = torch.zeros(len(read_at), _COLUMNS, dtype=torch.float64, device=home)
     sums.index_add_(0, index, torch.cat(pieces).double())
     norms = sums.sqrt()
     at = tuple(read_at)
-    return Reading((norms[:, :2], at), (norms[:, 2:], at) if is_adam else None)
+    if not is_adam:
+        return Reading((norms[:, :2], at), None, None)
+    return Reading((norms[:, :2], at), (norms[:, 2:3], at), (norms[:, 3:], at))
 
 
 def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam: bool, sample: int
@@ -372,7 +377,7 @@ def _sgd_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
     else:
         a, c, k = t["buf"], 0, 1.0
     moved, weight = _update_sums(a, t["w"], group["lr"], c, k)
-    return torch.stack((moved, weight, torch.zeros_like(moved)), dim=1)
+    return torch.stack((moved, weight) + (torch.zeros_like(moved),) * (_COLUMNS - 2), dim=1)
 
 
 def _adam_tensors(group: Dict[str, Any], state: Dict[str, Any], p: torch.Tensor, g: torch.Tensor
@@ -387,10 +392,10 @@ def _adam_tensors(group: Dict[str, Any], state: Dict[str, Any], p: torch.Tensor,
 
 def _device_corrections(steps: List[torch.Tensor], beta1: Any, beta2: Any, eps: float, v2: List[torch.Tensor],
                         root: List[torch.Tensor]) -> Tuple[List[torch.Tensor], float, List[torch.Tensor],
-                                                           List[torch.Tensor], torch.Tensor]:
+                                                           List[torch.Tensor], torch.Tensor, torch.Tensor]:
     """:func:`_adam_sums`' bias-corrected terms where the step counts (or the betas) live on
     the device and are never read: (floor = max(√v̂, ε) per piece, its scale 1, ε√bc2 per
-    piece, k = √bc2/bc1 per piece, k for each row of :func:`_dots`). Each piece has its own
+    piece, k = √bc2/bc1 per piece, k and bc2 for each row of :func:`_dots`). Each piece has its own
     corrections (an (n, 1) column for a block's rows), computed in float64 and applied in the
     piece's own dtype, as a number would be; with no tensor clamp bound, one more pass."""
     bc1 = [1 - beta1 ** s for s in steps]
@@ -400,8 +405,13 @@ def _device_corrections(steps: List[torch.Tensor], beta1: Any, beta2: Any, eps: 
     torch._foreach_sqrt_(floor)
     shift = [(eps * b.sqrt()).to(r.dtype) for b, r in zip(bc2, root)]
     k = [b2.sqrt() / b1 for b1, b2 in zip(bc1, bc2)]
-    rows = torch.cat([x.reshape(-1).expand(r.shape[0] if r.dim() == 2 else 1) for x, r in zip(k, root)])
-    return floor, 1.0, shift, k, rows
+    return floor, 1.0, shift, k, _by_row(k, root), _by_row(bc2, root)
+
+
+def _by_row(values: List[torch.Tensor], root: List[torch.Tensor]) -> torch.Tensor:
+    """One value per piece spread over the piece's rows of :func:`_dots` (a 2-D block's
+    rows, or a flat piece's one)."""
+    return torch.cat([x.reshape(-1).expand(r.shape[0] if r.dim() == 2 else 1) for x, r in zip(values, root)])
 
 
 def _adam_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
@@ -417,14 +427,18 @@ def _adam_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
     # The bias corrections stay out of the element-wise passes: m̂/(√v̂+ε) = k·m/(√v+ε√bc2)
     # with k = √bc2/bc1, and g'²/max(v̂, ε²) = bc2·(g'/max(√v, ε√bc2))².
     root = torch._foreach_sqrt(t["v2"])
+    second = _dots(root, root)  # Σ v, before root changes
     if batch.steps or isinstance(beta2, torch.Tensor):
         steps = batch.step_pieces() if batch.steps else [step] * len(root)
-        floor, scale, shift, k, k_rows = _device_corrections(steps, beta1, beta2, eps, t["v2"], root)
+        floor, scale, shift, k, k_rows, bc2_rows = _device_corrections(steps, beta1, beta2, eps, t["v2"], root)
     else:
         bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
         floor, scale = torch._foreach_clamp_min(root, eps * bc2 ** 0.5), bc2
         shift = eps * bc2 ** 0.5
         k = k_rows = bc2 ** 0.5 / bc1
+        bc2_rows = bc2
+    # Σ v̂/ε² (v̂ = v/bc2): the layer's gradient scale as Adam sees it, in units of its ε
+    over_eps = second / (bc2_rows * eps * eps) if eps > 0 else torch.full_like(second, math.inf)
     if "v" in t:
         root = torch._foreach_sqrt(t["v"])  # amsgrad steps with max_exp_avg_sq
     if isinstance(shift, list):
@@ -442,4 +456,4 @@ def _adam_sums(batch: _Batch, t: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
     else:
         consumed = t["g"]  # its sign (maximize) does not change its square
     q = torch._foreach_div(consumed, floor)
-    return torch.stack((moved, weight, _dots(q, q) * scale), dim=1)
+    return torch.stack((moved, weight, _dots(q, q) * scale, over_eps), dim=1)
