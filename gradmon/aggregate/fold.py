@@ -71,12 +71,8 @@ class Folded:
         self.streaks: Dict[LayerGauge, List[int]] = {g: [0] * n for g in stat.gauges if g.above is not None}
         self._arrived: Dict[LayerGauge, Dict[int, List[Optional[float]]]] = {g: {} for g in self.streaks}
         self._above = {g: g.above[0](Thresholds()) for g in self.streaks}  # type: ignore[index]
-        # each role gauge's layers, and each growth gauge's first value per layer
-        self._roles = {g: (roles or {}).get(g.role, frozenset()) for g in stat.gauges if g.role is not None}
-        self._first: Dict[LayerGauge, List[Optional[float]]] = {g: [None] * n for g in stat.gauges if g.since_first}
-        # each doublings gauge's bar and the highest doubling each layer reached (-1: none)
-        self._bars = {g: g.doublings[0](Thresholds()) for g in stat.gauges if g.doublings is not None}
-        self._reached: Dict[LayerGauge, List[int]] = {g: [-1] * n for g in self._bars}
+        self._growths = {g: Growth(g, n, (roles or {}).get(g.role, frozenset()) if g.role is not None else None)
+                         for g in stat.gauges if g.role is not None or g.since_first}
         self.events: List[str] = []
         """The signals of the doublings reached since the aggregator last took them."""
         self.total: Optional[float] = None
@@ -264,8 +260,10 @@ class Folded:
             values = read.get(gauge.value)
             if values is None:
                 values = read[gauge.value] = list(map(gauge.value, columns))
-            if gauge.role is not None or gauge.since_first:
-                self._growth(gauge, acc, values)
+            growth = self._growths.get(gauge)
+            if growth is not None:
+                if growth.update(self.gauges[gauge], acc, values):
+                    self.events.append(gauge.doublings[1])  # type: ignore[index]
             elif gauge.baseline is None:
                 store = self.gauges[gauge]
                 for layer, x in zip(acc, values):
@@ -274,31 +272,6 @@ class Folded:
                 self._baselines(gauge, acc, values, baseline)
             out[gauge] = values
         return out
-
-    def _growth(self, gauge: LayerGauge, layers: Iterable[int], values: Sequence[Optional[float]]) -> None:
-        """One step's values of a gauge kept for its role's layers only and, ``since_first``,
-        divided by each layer's first finite, positive value (until there is one: none); a
-        layer reaching a new doubling of a ``doublings`` gauge's bar adds its signal to
-        :attr:`events`, once a step."""
-        store, first = self.gauges[gauge], self._first.get(gauge)
-        wanted = self._roles.get(gauge)
-        bar, reached = self._bars.get(gauge), self._reached.get(gauge)
-        doubled = False
-        for layer, x in zip(layers, values):
-            if wanted is not None and layer not in wanted:
-                continue
-            if first is not None:
-                if first[layer] is None:
-                    first[layer] = x if x is not None and 0.0 < x < math.inf else None
-                x = S.relative(x, first[layer]) if first[layer] is not None else None
-            store[layer] = x
-            if reached is not None and x is not None and bar <= x < math.inf:
-                level = int(math.log2(x / bar))  # type: ignore[operator]
-                if level > reached[layer]:
-                    reached[layer] = level
-                    doubled = True
-        if doubled:
-            self.events.append(gauge.doublings[1])  # type: ignore[index]
 
     def restart(self) -> None:
         """Forget the baselines declared to restart with the spike windows."""
@@ -309,6 +282,39 @@ class Folded:
                     window.clear()
                 if gauge in self.streaks:
                     self.streaks[gauge] = [0] * len(windows)
+
+
+class Growth:
+    """A gauge kept for its role's layers only (``layers``; None: every layer) and, with
+    ``since_first``, each value over the layer's first finite, positive one (until there
+    is one: none); with ``doublings``, whether a step took a layer to a new doubling of
+    the bar (bar x 2^k, k = 0, 1, ...)."""
+
+    def __init__(self, gauge: LayerGauge, n: int, layers: Optional[FrozenSet[int]]) -> None:
+        self.layers = layers
+        self.first: Optional[List[Optional[float]]] = [None] * n if gauge.since_first else None
+        self.bar = gauge.doublings[0](Thresholds()) if gauge.doublings is not None else None
+        self.reached = [-1] * n  # the highest doubling each layer reached (-1: none)
+
+    def update(self, store: List[Optional[float]], layers: Iterable[int], values: Sequence[Optional[float]]) -> bool:
+        """One step's values into ``store`` (the gauge's, by layer); True if a layer reached
+        a new doubling."""
+        first, wanted, bar, reached = self.first, self.layers, self.bar, self.reached
+        doubled = False
+        for layer, x in zip(layers, values):
+            if wanted is not None and layer not in wanted:
+                continue
+            if first is not None:
+                if first[layer] is None:
+                    first[layer] = x if x is not None and 0.0 < x < math.inf else None
+                x = S.relative(x, first[layer]) if first[layer] is not None else None
+            store[layer] = x
+            if bar is not None and x is not None and bar <= x < math.inf:
+                level = int(math.log2(x / bar))
+                if level > reached[layer]:
+                    reached[layer] = level
+                    doubled = True
+        return doubled
 
 
 def _streak(run: int, values: Sequence[Optional[float]], base: Optional[float], above: float) -> int:
