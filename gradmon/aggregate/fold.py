@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Callable, Deque, Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import (Callable, Deque, Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Sequence,
+                    Tuple)
 
 import torch
 
