@@ -138,3 +138,33 @@ def test_a_growth_counts_one_event_step_at_its_bar_and_at_each_doubling_of_it(at
     samples = scrape(mon.url)
     assert value(samples, "gradmon_spike_steps_total", signal="attention_growth") == len(events)
     assert value(samples, "gradmon_steps_since_spike", signal="attention_growth") == 5 - events[-1]
+
+
+def test_a_growth_event_is_not_evidence_that_a_loss_jump_the_step_after_is_the_model(attach):
+    """A loss back at its starting level the step after a layer's gradient spiked pages at once
+    (the gradients led it); the step after an attention growth event it does not: a growth
+    event is a warning, never page evidence (it was not chosen as such on the tune split).
+    The gradients are zero throughout (no gradient signal can spike): only the growth moves."""
+    torch.manual_seed(0)
+    model = Tiny()
+    mon = attach(model, detail_every=1, incident_dir="")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, 171):
+        if step <= 20:
+            loss = 2.0
+        else:
+            loss = max(0.5, 2.0 - 1.5 * (step - 20) / 80) * (1 + 0.05 * torch.rand(1, generator=g).item())
+        if step == 161:
+            loss = 2.0  # back at the starting level, one step after the growth event
+        scale = 30.0 if step == 160 else 1.0
+        (model(torch.randn(16, 8, generator=g) * scale) * 0.0).sum().backward()
+        mon.observe(loss=loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert mon.flush(10)
+    samples = scrape(mon.url)
+    assert value(samples, "gradmon_spike_steps_total", signal="attention_growth") == 1
+    assert value(samples, "gradmon_steps_since_spike", signal="attention_growth") == 10  # at step 160
+    assert value(samples, "gradmon_spike_steps_total", signal="loss") >= 1  # the jump was a loss spike
+    assert value(samples, "gradmon_loss_divergences_total") == 0
