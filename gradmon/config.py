@@ -144,8 +144,10 @@ class Config:
     (a fused qkv one included): each such layer's output max |x| is exported as its growth
     since attach (gradmon_activation_growth{role="attention"}), and
     GradmonAttentionGrowth warns when it grows far (the attention-logit growth that
-    precedes many transformer divergences). Empty: no layer. Read on the publisher thread
-    from the detail steps' records: no training-time cost."""
+    precedes many transformer divergences). Empty: no layer. One series per layer named,
+    outside ``series_budget`` (which counts what every layer costs): name the projections,
+    not every layer. Read on the publisher thread from the detail steps' records: no
+    training-time cost."""
 
     activations: bool = True
     """Activation RMS / max|x| / non-finite counts from forward hooks."""
