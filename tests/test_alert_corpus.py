@@ -498,3 +498,14 @@ def test_the_independent_set_is_refused_inside_the_repository():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "instability" / "record_corpus.py"),
                            "--set", "independent", "--manifest", "--dir", str(missing)], capture_output=True, text=True)
     assert done.returncode == 2 and "outside the repository" in done.stderr
+
+
+def test_each_warnings_share_of_healthy_time_counts_it_firing_and_firing_alone():
+    evals = [frozenset({("A", "warning")})] * 3 + [frozenset({("A", "warning"), ("B", "warning")})] \
+        + [frozenset({("B", "warning"), ("P", "critical")})] + [frozenset()] * 5
+    healthy = score.RunScore("h", labeler.HEALTHY, "tune", 10.0, 100, None, [], evals)
+    diverging = score.RunScore("d", labeler.DIVERGING, "tune", 10.0, 100, 50, [], [frozenset({("C", "warning")})] * 4)
+    assert score.alert_shares([healthy, diverging]) == {"A": (4, 3, 10), "B": (2, 1, 10)}
+    table = score.alert_table({"tune": [healthy, diverging]}, [10.0])
+    assert "| A | 40.0 % (30.0 % alone) |" in table and "| B | 20.0 % (10.0 % alone) |" in table
+    assert "| C |" not in table  # a warning of a diverging run is not healthy time

@@ -236,6 +236,41 @@ def summary_table(by_split: Dict[str, List[RunScore]], rates: Sequence[float]) -
     return "\n".join(rows)
 
 
+def alert_shares(scores: Sequence[RunScore]) -> Dict[str, Tuple[int, int, int]]:
+    """Each warning that fired on a healthy run of ``scores`` (one split at one rate): (the
+    healthy evaluations it fired at, those at which it fired alone, all healthy evaluations).
+    Alone is what the healthy time with a warning would lose without it."""
+    healthy = [s for s in scores if s.kind == labeler.HEALTHY]
+    evals = sum(len(s.firing) for s in healthy)
+    on: Dict[str, List[int]] = {}
+    for s in healthy:
+        for f in s.firing:
+            warned = {name for name, severity in f if severity == "warning"}
+            for name in warned:
+                counts = on.setdefault(name, [0, 0])
+                counts[0] += 1
+                counts[1] += warned == {name}
+    return {name: (k, alone, evals) for name, (k, alone) in sorted(on.items())}
+
+
+def alert_table(by_split: Dict[str, List[RunScore]], rates: Sequence[float]) -> str:
+    """:func:`alert_shares` of every split and rate, one row per warning."""
+    cols = [(split, rate) for split in by_split for rate in rates]
+    per = {c: alert_shares([s for s in by_split[c[0]] if s.rate == c[1]]) for c in cols}
+    names = sorted({name for shares in per.values() for name in shares})
+    if not names:
+        return "No warning fired on a healthy run."
+    rows = ["| warning | " + " | ".join(f"{split}, {rate:g} s/step" for split, rate in cols) + " |",
+            "|---|" + "---:|" * len(cols)]
+    for name in names:
+        cells = []
+        for c in cols:
+            k, alone, evals = per[c].get(name, (0, 0, 0))
+            cells.append(f"{100 * k / evals:.1f} % ({100 * alone / evals:.1f} % alone)" if k else "-")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def run_table(scores: Sequence[RunScore]) -> str:
     def cell(v: Optional[int]) -> str:
         return "-" if v is None else str(v)
@@ -441,7 +476,10 @@ def report(scores: Sequence[RunScore], splits: Sequence[str], rates: Sequence[fl
     return "\n".join([
         f"Scored at commit `{at}` on {time.strftime('%Y-%m-%d', time.gmtime())}: {runs} runs, "
         f"{', '.join(f'{r:g}' for r in rates)} s per step, 15 s scrape, {seconds:.0f} s.", "",
-        summary_table(by_split, rates), "", "### Misses and false pages", "",
+        summary_table(by_split, rates), "", "### Healthy time with each warning firing", "",
+        "Each warning's share of the healthy runs' evaluations, and the share at which it was the only "
+        "warning firing (what the healthy time with a warning would lose without it).", "",
+        alert_table(by_split, rates), "", "### Misses and false pages", "",
         "\n".join(f"- {line}" for line in failures(ordered)) or "- none", "", "### Every run", "",
         run_table(ordered)])
 
