@@ -242,6 +242,12 @@ LOCAL_GRAD_NORM_ABOVE_BASELINE_STEPS = _spec(
         "all-reduce) was above `norm_baseline_ratio` (4) times its baseline on the rank: the longest such run "
         "among layers, counted in the process, so that `GradmonLocalGradNormAboveBaseline` holds for steps, not "
         "minutes; on every rank with `local_view`; 0 when none is")
+ACTIVATION_GROWTH_WORST = _spec("activation_growth_worst", "gauge", ("layer",),
+                                "The largest growth of an attention projection's max |x| over its first "
+                                "measurement on this rank, labelled with that layer: on every rank.",
+                                doc="This rank's largest `gradmon_activation_growth{role=\"attention\"}`, labelled "
+                                    "with its layer (held through near ties as the other worst-layer gauges are); on "
+                                    "every rank, so that a rank without per-layer series still warns")
 ACTIVATION_ABS_MAX_WORST = _spec("activation_abs_max_worst", "gauge", ("layer",),
                                  "The largest max |x| of any layer's output on this rank at its last detail step, "
                                  "labelled with that layer (or with the layer that held the label while it is within "

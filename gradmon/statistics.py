@@ -356,7 +356,7 @@ ACTIVATION = Statistic(
             LayerGauge(M.ACTIVATION_ABS_MAX_RATIO, _abs_max, baseline="activation_baseline",
                        panel=Panel("Activation max |x| over its own baseline", log=True)),
             LayerGauge(M.ACTIVATION_GROWTH, _abs_max, labels={"role": M.ROLE_ATTENTION}, since_first=True,
-                       role=M.ROLE_ATTENTION,
+                       role=M.ROLE_ATTENTION, worst=M.ACTIVATION_GROWTH_WORST,
                        doublings=(lambda th: th.attention_growth, M.SIGNAL_ATTENTION_GROWTH), panel=Panel(
                            "Attention projections' and logits' max |x| since attach", log=True,
                            line=("orange", lambda th: th.attention_growth),

@@ -73,6 +73,10 @@ def test_growth_is_each_watched_layers_max_over_its_first_and_only_they_have_it(
         seen["head"][-1] / seen["head"][0], rel=1e-5)
     named = {dict(labels)["layer"] for (name, labels) in samples if name == GROWTH}
     assert named == {"blocks.0.q_proj", "blocks.0.k_proj", "blocks.1.q_proj", "blocks.1.k_proj", "head"}
+    # the rank-level gauge: the largest projection's growth, named (never the logits')
+    growths = {layer: seen[layer][-1] / seen[layer][0] for layer in named - {"head"}}
+    top = max(growths, key=growths.get)
+    assert value(samples, GROWTH + "_worst", layer=top) == pytest.approx(growths[top], rel=1e-5)
 
 
 def test_growth_moves_on_detail_steps_only_and_keeps_the_first_measurement_as_its_reference(attach):

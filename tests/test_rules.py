@@ -248,6 +248,10 @@ CASES.update({
         [alert("GradmonAttentionGrowth", "10m", ("warning", target(rank="0", layer="blocks.0.qkv"))),
          alert("GradmonAttentionGrowth", "11m"),
          alert("GradmonAttentionGrowth", "13m", ("warning", target(rank="0", layer="blocks.0.qkv")))]),
+    "attention_growth_on_a_rank_without_per_layer_series_names_its_worst_projection": (
+        [steps("3"), series("gradmon_activation_growth_worst", "2x9 9x5", rank="3", layer="blocks.4.q_proj"),
+         since("_x10 0 100x5", "attention_growth", "3")],
+        [alert("GradmonAttentionGrowth", "10m", ("warning", target(rank="3", layer="blocks.4.q_proj")))]),
     "no_attention_growth_warning_for_the_logits_or_a_modest_growth": (
         # the logits' growth has no event; a projection at 3x had none either
         [steps(), layer("gradmon_activation_growth", "2x9 9x5", "head", role="output"),

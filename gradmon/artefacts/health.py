@@ -88,8 +88,8 @@ def attention_growth(th: Thresholds, t: Timing) -> Alert:
         f"first measurement ({WHERE}), and an attention layer reached {th.attention_growth:g}x or a doubling of it "
         f"in the last {th.spike_hold_steps} steps: the attention logits are growing, which precedes many "
         "transformer divergences (QK-layernorm or a lower learning rate are the usual fixes).",
-        f"max by ({TARGET}, layer) ({M.ACTIVATION_GROWTH.name}{{role=\"{M.ROLE_ATTENTION}\"}}) "
-        f">= {th.attention_growth:g}\n"
+        f"max by ({TARGET}, layer) ({M.ACTIVATION_GROWTH.name}{{role=\"{M.ROLE_ATTENTION}\"}} "
+        f"or {M.ACTIVATION_GROWTH_WORST.name}) >= {th.attention_growth:g}\n"
         f"and on({TARGET}) {recent_spike(th, t, (M.SIGNAL_ATTENTION_GROWTH,), TARGET)}",
         0)
 
