@@ -42,6 +42,8 @@ SIGNAL_LAYER_GRAD_NORM = "layer_grad_norm"
 SIGNAL_ATTENTION_GROWTH = "attention_growth"  # an event, not a scored spike: an attention layer's growth doubled
 SPIKE_SIGNALS: Tuple[str, ...] = (SIGNAL_LOSS, SIGNAL_GRAD_NORM, SIGNAL_LOCAL_GRAD_NORM, SIGNAL_LAYER_GRAD_NORM,
                                   SIGNAL_ATTENTION_GROWTH)
+EVENT_SIGNALS: Tuple[str, ...] = (SIGNAL_ATTENTION_GROWTH,)
+"""Signals no spike detector scores: their steps are decided elsewhere (``SpikeTracker.event``)."""
 
 #: Values of the ``reason`` label of gradmon_guard_skipped_steps_total: why the step guard
 #: (``guard=``) skipped an optimizer step.

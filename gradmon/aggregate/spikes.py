@@ -22,6 +22,7 @@ from typing import Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, S
 
 import torch
 
+from .. import metrics as M
 from .. import robust
 from ..robust import LOG_FLOOR, MAD_TO_SIGMA, lr_jumped
 
@@ -208,7 +209,7 @@ class SpikeTracker:
             s: LayerBaselines(window, min_steps, threshold, ratio) for s, ratio in (layers or {}).items() if s in signals}
         self.detectors: Dict[str, SpikeDetector] = {
             s: SpikeDetector(window, min_steps, threshold, raw_below_zero=s in raw) for s in signals
-            if s not in self.layers}
+            if s not in self.layers and s not in M.EVENT_SIGNALS}
         self._scores: Dict[str, Union[float, Judged]] = {}  # a signal's last score, or the value to score
         self.spikes: Dict[str, int] = {s: 0 for s in signals}
         self.last: Dict[str, int] = {}  # signal -> the step count (``steps``) of its last spike
