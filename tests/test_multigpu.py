@@ -110,6 +110,7 @@ def test_other_ranks_export_few_series_and_name_their_own_blow_up_and_nan_by_lay
     """At the defaults rank 1 exports no per-layer series; what only its own data shows (a
     blow-up, a NaN before the all-reduce averages it) is still named there, with the layer."""
     monkeypatch.setenv("GRADMON_BASELINE_WARMUP", "0")  # 12 calm steps make the baselines (the ranks inherit it)
+    monkeypatch.setenv("GRADMON_ATTENTION_LAYERS", "0")  # the first Linear stands for a query projection
     job = Job(tmp_path, [{"name": "calm", "steps": 12, "lr": 0.0},  # one lr: a jump restarts the baselines
                          {"name": "blowup", "steps": 2, "input_scale_by_rank": {"1": 100.0},
                           "loss_scale_by_rank": {"1": 100.0}, "lr": 0.0},
@@ -135,6 +136,11 @@ def test_other_ranks_export_few_series_and_name_their_own_blow_up_and_nan_by_lay
              for r, s in enumerate(blowup)}
     assert len(worst[0]) == len(worst[1]) == 1
     assert worst[1][0][1] > 10 * worst[0][0][1], worst
+    # its projection grew there: the rank-level growth names it and its doubling counted there only
+    growth = {r: [(dict(k[1])["layer"], v) for k, v in s.items() if k[0] == "gradmon_activation_growth_worst"]
+              for r, s in enumerate(blowup)}
+    assert growth[1][0][0] == "0" and growth[1][0][1] > 8 > growth[0][0][1], growth
+    assert [value(s, "gradmon_spike_steps_total", signal="attention_growth") for s in blowup] == [0, 1]
     ratio = {r: [(dict(k[1])["layer"], v) for k, v in s.items() if k[0] == "gradmon_local_grad_norm_baseline_ratio_worst"]
              for r, s in enumerate(blowup)}
     assert ratio[1][0][1] > 10 and ratio[0][0][1] < 4, ratio
