@@ -86,18 +86,22 @@ def _check_type_names(model: nn.Module, wanted: Iterable[object]) -> None:
                 f"layer types with trainable parameters in this model: {present}")
 
 
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether a layer name matches any of the options' glob patterns (case-sensitive)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
 def _name_selected(name: str, cfg: Config) -> bool:
-    if cfg.include and not any(fnmatch.fnmatchcase(name, p) for p in cfg.include):
+    if cfg.include and not _matches(name, cfg.include):
         return False
-    return not any(fnmatch.fnmatchcase(name, p) for p in cfg.exclude)
+    return not _matches(name, cfg.exclude)
 
 
 def roles(layers: Sequence[Layer], cfg: Config) -> Dict[str, FrozenSet[int]]:
     """The layers (indices) of each role a gauge may watch: the attention's query and key
     projections (``attention_layers``) and the output layer, the last ``nn.Linear``, whose
     outputs are the logits in the models this is for (a tied head included)."""
-    attention = frozenset(layer.index for layer in layers
-                          if any(fnmatch.fnmatchcase(layer.name, p) for p in cfg.attention_layers))
+    attention = frozenset(layer.index for layer in layers if _matches(layer.name, cfg.attention_layers))
     linear = [layer.index for layer in layers if isinstance(layer.module, nn.Linear)]
     return {M.ROLE_ATTENTION: attention, M.ROLE_OUTPUT: frozenset(linear[-1:])}
 
