@@ -34,9 +34,6 @@ from .skips import GuardSkips
 from .snapshot import Snapshot, WorstNames, per_layer, signal_gauges, spike_series, totals
 from .spikes import SpikeTracker
 
-NOT_EVIDENCE = frozenset({M.SIGNAL_ATTENTION_GROWTH})
-"""Spike signals that DivergenceWatch does not read as evidence of a divergence."""
-
 
 class Aggregator:
     """Cumulative state of one monitor. Used only by the publisher thread."""
@@ -145,9 +142,9 @@ class Aggregator:
             if packet.detail and any(sec.statistic is S.GRAD for sec in packet.sections):
                 self.cover.detail_backward()
         paged = self.divergence.divergences
-        # a growth's doubling is not (yet) evidence of a divergence: the evidence was chosen
-        # from the loss's and the gradients' spikes, on the tune split
-        self.divergence.step(self.last.step_loss, self.spikes.this_step - NOT_EVIDENCE)
+        # an event decided elsewhere (a growth's doubling) is not (yet) evidence of a divergence:
+        # the evidence was chosen from the loss's and the gradients' scored spikes, on the tune split
+        self.divergence.step(self.last.step_loss, self.spikes.this_step.difference(M.EVENT_SIGNALS))
         if self.divergence.divergences > paged and self.black_box is not None:
             # written before any snapshot counts the divergence, as a non-finite incident's
             self.black_box.write(Moment(packet.global_step), KIND_DIVERGENCE, divergence_reason(self.divergence))
