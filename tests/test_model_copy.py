@@ -55,7 +55,7 @@ def attach(model: nn.Module) -> gradmon.Monitor:
 
 
 def test_a_deep_copy_of_a_monitored_model_is_an_unmonitored_model_of_its_own():
-    model = chain()
+    model = chain(8)  # on an ordinary step block #8 takes its hook's path (forward.WAIT_TIMED)
     mon = attach(model)
     try:
         train(model)

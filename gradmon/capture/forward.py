@@ -26,7 +26,7 @@ from .collector import CollectorPause
 from .guard import Guards
 from .layers import Layer
 from .modelhooks import ModelHook
-from .records import StepRecords, iter_tensors
+from .records import BlockChecks, StepRecords, iter_tensors
 from . import traced
 from .traced import TracedSlots
 
@@ -42,7 +42,9 @@ def _recomputed_twice() -> bool:
 
 
 WAIT_TIMED = 8
-"""One block in this many (by key) times its ordinary-step path for gradmon_overhead_seconds_total."""
+"""One block in this many (by key) takes its hook's path on ordinary steps too, timed for
+gradmon_overhead_seconds_total (the others keep their outputs in their forwards:
+``BlockForward``)."""
 
 
 class Forward:
@@ -90,6 +92,7 @@ class Forward:
         self._in_root = False  # inside the root's forward
         self._defer_blocks = False  # this step's block checks wait for the end of the forward
         self._deferring = False  # inside a root's training forward whose block checks wait
+        self.lane: Optional[BlockChecks] = None  # while deferring, eager: where blocks' forwards keep outputs
         self.collector = CollectorPause()  # from a detail step's first training forward to its close
 
     def next_step(self, detail: bool) -> None:
@@ -138,6 +141,7 @@ class Forward:
         self._in_root = True
         training = self._training_forward(module)
         self._deferring = self._defer_blocks and self._block and training
+        self.lane = self._rec.blocks if self._deferring else None
         with self._guard("forward"):
             if training:
                 self._root_forward()
@@ -156,6 +160,7 @@ class Forward:
         that raised (out of memory, say) leaves them unchecked, and none may stay held: a
         retry must find the memory free."""
         self._in_root = self._deferring = False
+        self.lane = None
         self._rec.blocks.drop()
 
     # The hooks registered on blocks and layers carry no index of their own (a partial's
@@ -260,6 +265,7 @@ class Forward:
             if self._traced_forward(module) and self._block:
                 self.traced.record(module, traced.OUTPUT, output)
             return
+        self.lane = None  # the blocks' outputs kept so far are checked now; none is kept after
         if not self.active:
             return
         with self._guard("forward"):

@@ -45,7 +45,7 @@ from ..errors import ErrorLog
 from ..statistics import Statistic
 from . import amp, optimizer, sharded, traced, writer
 from .boundary import Event, StepBoundary
-from .forward import Forward, LayerHooks
+from .forward import WAIT_TIMED, Forward, LayerHooks
 from .grads import ParamGradients
 from .guard import Guards
 from .layers import Layer
@@ -446,8 +446,10 @@ class HookSet:
                     if layered and id(block) in index:
                         both[id(block)] = index[id(block)]
                     forward.keys[id(block)] = key
+                    # one block in WAIT_TIMED takes the hook's path (timed) on ordinary steps too
+                    lanes = None if id(block) in both or not key % WAIT_TIMED else forward
                     self._handles.append(BlockForward(
-                        block, forward.layer_block_hook if id(block) in both else forward.block_hook))
+                        block, forward.layer_block_hook if id(block) in both else forward.block_hook, key, lanes))
             forward.layer_keys.update((id(layer.module), layer.index) for layer in layers)
             forward.traced = self._traced_slots(recorder, root, layers, blocks, f"{id(recorder):x}")
             if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER):

@@ -5,7 +5,9 @@ Two kinds, both removable like a hook handle:
 - :class:`BlockForward`, a top-level block's instance ``forward``: the block's own forward,
   then gradmon's check of its output. A module with any forward hook leaves
   ``nn.Module.__call__``'s fast path for the hooks' path, and the blocks' checks run every
-  step; an instance ``forward`` keeps the fast path and costs one call.
+  step; an instance ``forward`` keeps the fast path and costs one call. On an ordinary
+  step the check of a block already known to wait is made here, inline, without entering
+  the hook at all: a model whose every layer is a block pays per block per step.
 - :class:`ModelHook`, a hook function as registered on a module (the root's, the layers').
 
 A copy of the model (``copy.deepcopy``: an EMA model, a teacher) is unmonitored: a
@@ -20,7 +22,11 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Dict, Optional
 
+import torch
 from torch import nn
+from torch.compiler import is_compiling
+
+from .records import DEFER_MAX
 
 
 def nothing(*args: Any, **kwargs: Any) -> None:
@@ -52,29 +58,49 @@ class ModelHook:
 
 class BlockForward:
     """A top-level block's forward (``inner``: its class's, bound, or the instance forward it
-    had), then ``check(module, args, output)``, as a forward hook would be called."""
+    had), then ``check(module, args, output)``, as a forward hook would be called.
 
-    __slots__ = ("module", "inner", "check", "_before", "__wrapped__")
+    With ``lanes`` (the monitor's ``Forward``), an output may skip ``check``: while
+    ``lanes.lane`` is a ``BlockChecks`` (inside a root's ordinary training forward, eager),
+    the output of a block it has settled (``key``) is kept there for the end of the
+    forward: ``BlockChecks.wait``'s test for a settled block, made inline (a call would
+    cost as much as the test). Anything else goes to ``check``, which decides again."""
 
-    def __init__(self, module: nn.Module, check: Callable[[nn.Module, Any, Any], None]) -> None:
+    __slots__ = ("module", "inner", "check", "_before", "__wrapped__", "key", "lanes")
+
+    def __init__(self, module: nn.Module, check: Callable[[nn.Module, Any, Any], None], key: int = 0,
+                 lanes: Any = None) -> None:
         self.module = module
         self._before = module.__dict__.get("forward")  # an instance forward it already had
         self.inner = module.forward
         self.__wrapped__ = self.inner  # inspect.signature(block.forward) is the block's own
         self.check: Optional[Callable[[nn.Module, Any, Any], None]] = check
+        self.key = key
+        self.lanes = lanes
         module.forward = self  # an instance attribute: nn.Module's call finds it first
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         output = self.inner(*args, **kwargs)
         check = self.check
-        if check is not None:
-            check(self.module, args, output)
+        if check is None:
+            return output
+        # is_compiling() first: compiled, the lane is never read (no guard on it)
+        if self.lanes is not None and not is_compiling():
+            lane = self.lanes.lane
+            if (lane is not None and type(output) is torch.Tensor and self.key in lane.settled
+                    and self.module.training and torch.is_grad_enabled() and output.numel() <= DEFER_MAX):
+                try:
+                    lane.waiting.append((self.key, output, output._version))
+                    return output
+                except Exception:  # noqa: BLE001 - an inference tensor has no version counter
+                    pass  # the hook's path decides, guarded
+        check(self.module, args, output)
         return output
 
     def remove(self) -> None:
         """The block's forward back as it was; where something else has since replaced it
         (and may call this one), this one only stops checking."""
-        self.check = None
+        self.check = self.lanes = None
         if self.module.__dict__.get("forward") is self:
             if self._before is None:
                 del self.module.__dict__["forward"]
