@@ -62,9 +62,9 @@ class BlockForward:
 
     With ``lanes`` (the monitor's ``Forward``), an output may skip ``check``: while
     ``lanes.lane`` is a ``BlockChecks`` (inside a root's ordinary training forward, eager),
-    the output of a block it has settled (``key``) is kept there for the end of the
-    forward: ``BlockChecks.wait``'s test for a settled block, made inline (a call would
-    cost as much as the test). Anything else goes to ``check``, which decides again."""
+    the output of a block it has settled or holds (``key``) is kept there for the end of
+    the forward: ``BlockChecks.wait``'s test, made inline (a call would cost as much as the
+    test). Anything else goes to ``check``, which decides again."""
 
     __slots__ = ("module", "inner", "check", "_before", "__wrapped__", "key", "lanes")
 
@@ -87,8 +87,9 @@ class BlockForward:
         # is_compiling() first: compiled, the lane is never read (no guard on it)
         if self.lanes is not None and not is_compiling():
             lane = self.lanes.lane
-            if (lane is not None and type(output) is torch.Tensor and self.key in lane.settled
-                    and self.module.training and torch.is_grad_enabled() and output.numel() <= DEFER_MAX):
+            if (lane is not None and type(output) is torch.Tensor and self.module.training
+                    and torch.is_grad_enabled()
+                    and (self.key in lane.held or (self.key in lane.settled and output.numel() <= DEFER_MAX))):
                 try:
                     lane.waiting.append((self.key, output, output._version))
                     return output

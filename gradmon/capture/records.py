@@ -234,7 +234,8 @@ class BlockChecks:
     def wait(self, key: int, t: torch.Tensor) -> bool:
         """Keep ``t`` (a torch.Tensor) of a block already known to stay unchanged, unless it
         is too large to hold until the end of the forward (a block whose output is
-        :attr:`held` is not asked); False where :meth:`defer` must decide."""
+        :attr:`held` is not asked); False where :meth:`defer` must decide. ``BlockForward``
+        makes the same test inline: the two change together."""
         if key in self.held or (key in self.settled and t.numel() <= DEFER_MAX):
             self.waiting.append((key, t, t._version))
             return True
