@@ -186,6 +186,15 @@ LEARNING_RATE = _spec("learning_rate", "gauge", ("group",),
                       "Learning rate of each parameter group (index) of the optimizer at the last step.",
                       doc="Learning rate of each param group (`\"0\"`, `\"1\"`...) of the optimizer that closed the "
                           "last step; every rank exports it")
+LEARNING_RATE_OVER_PEAK = _spec("learning_rate_over_peak", "gauge", ("group",),
+                                "Learning rate of each parameter group over its settled peak, the highest rate it "
+                                "held before 100 steps without a new high (absent until one).",
+                                doc="Each param group's learning rate over its settled peak: the highest rate it "
+                                    "held before 100 steps went by without a new high. Absent until a peak has "
+                                    "settled (never during a warm-up that rises at every step); at most 1 through "
+                                    "a decay or a restart back to the same peak; above 1 after a rise past it, "
+                                    "until the new rate has held for 100 steps. Counted in the process, per "
+                                    "process: a resumed job settles its peak again")
 ROLE_ATTENTION, ROLE_OUTPUT = "attention", "output"
 ACTIVATION_GROWTH = _spec("activation_growth", "gauge", ("layer", "role"),
                           "Max |x| of an attention query/key projection's output (role=attention) or of the "

@@ -35,6 +35,11 @@ class Thresholds:
     attention logits, their product, have grown some 64x (the attention-logit growth that
     precedes many transformer divergences). On the alert corpus's tune split, healthy
     transformers' projections grew at most about 3x over a run."""
+    lr_over_peak: float = 1.5
+    """A learning rate this many times its settled peak (``gradmon_learning_rate_over_peak``):
+    half again above the highest rate the schedule had held. A restart back to the same peak
+    reads 1; a converged model often collapses within tens of steps of a rise like this
+    (the late collapses of the alert corpus are such restarts)."""
     divergence_factor: float = 10.0
     """A rank's local (pre-all-reduce) norm this many times the ranks' median (or, with two
     ranks, the other rank's) is diverging."""

@@ -13,7 +13,7 @@ from gradmon.aggregate.coverage import CoverageTracker
 from gradmon.aggregate.fold import Folded
 from gradmon.aggregate.histogram import NormHistogram
 from gradmon.aggregate.origin import NonFiniteIncident, Origin, OriginTracker
-from gradmon.aggregate.scalars import LastStep
+from gradmon.aggregate.scalars import LastStep, LearningRatePeaks
 from gradmon.aggregate.snapshot import WorstNames, per_layer
 
 NAMES = ("embed", "block.0", "block.1", "head")
@@ -220,6 +220,46 @@ def test_the_running_minimum_of_the_loss_skips_a_non_finite_loss_and_a_step_with
     assert math.isnan(last.loss) and last.loss_running_min == 1.0
     assert last.observe_loss({}) is None
     assert last.step_loss is None and math.isnan(last.loss)
+
+
+def _ratios_through(rates, settle: int = 10):
+    """Each step's (group, rate over its settled peak) pairs after that step's rates."""
+    peaks = LearningRatePeaks(settle)
+    out = []
+    for step_rates in rates:
+        peaks.step(step_rates)
+        out.append(dict(peaks.ratios()))
+    return out
+
+
+def test_a_learning_rate_has_no_peak_through_a_warm_up_and_reads_one_once_it_holds():
+    warm = [(float(i + 1),) for i in range(30)]  # a new high at every step
+    held = [(30.0,)] * 12
+    seen = _ratios_through(warm + held)
+    assert all(r == {} for r in seen[:39])  # 30 rising steps, then 10 steps without a new high
+    assert seen[39] == seen[41] == {0: 1.0}
+
+
+def test_a_decay_and_a_restart_back_to_the_same_peak_stay_at_or_below_one():
+    cosine = [(math.cos(i / 40 * math.pi / 2) + 0.01,) for i in range(40)]
+    seen = _ratios_through([(1.01,)] * 11 + cosine + [(1.01,)] * 20 + cosine)
+    assert all(r.get(0, 0.0) <= 1.0 for r in seen) and seen[-1]
+
+
+def test_a_rise_past_the_settled_peak_reads_above_one_until_the_new_rate_holds():
+    ramp = [(1.0 + 0.5 * i,) for i in range(1, 7)]  # 1.5x ... 4x the settled 1.0
+    seen = _ratios_through([(1.0,)] * 11 + ramp + [(4.0,)] * 12)
+    assert seen[10] == {0: 1.0}
+    assert [seen[11 + i][0] for i in range(6)] == [r for (r,) in ramp]
+    assert seen[17 + 8][0] == 4.0  # 9 steps without a new high: not settled yet
+    assert seen[17 + 9][0] == 1.0  # 10: the new peak
+
+
+def test_each_group_has_its_own_peak_and_a_nan_or_zero_rate_is_left_out():
+    seen = _ratios_through([(1.0, 0.0)] * 11 + [(math.nan, 0.0), (2.0, 0.0)])
+    assert seen[10] == {0: 1.0}  # group 1, at 0 all along, has none
+    assert seen[11] == {0: 1.0}  # the NaN left the last rate and the count as they were
+    assert seen[12] == {0: 2.0}
 
 
 # -- the snapshot's per-layer parts -------------------------------------------------------

@@ -265,6 +265,32 @@ def test_optimizer_every_samples_the_ratio_and_zero_turns_everything_off(attach)
     assert not [k for k in s if k[0] == "gradmon_uncovered_layers" and ("family", "optimizer") in k[1]]
 
 
+def test_a_schedule_restarted_above_its_peak_is_exported_over_its_settled_peak(attach):
+    """A warm-up, then a held rate, then a restart that triples it: the monitor exports the
+    rate over its settled peak from the first settled peak on (scalars.LearningRatePeaks)."""
+    from gradmon.aggregate.scalars import LR_SETTLE_STEPS
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    warmup, restart = 20, 20 + LR_SETTLE_STEPS + 5
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warmup) * (3.0 if i >= restart else 1.0))
+    mon = attach(model, detail_every=1000, optimizer_every=0)
+    seen = {}
+    for step in range(restart + 2):
+        _backward(model, step)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step in (warmup // 2, warmup + LR_SETTLE_STEPS - 3, restart - 1, restart, restart + 1):
+            ratios = [v for (n, _), v in fresh(mon).items() if n == "gradmon_learning_rate_over_peak"]
+            seen[step] = ratios[0] if ratios else None
+    # the warm-up's last step (19) is the peak: settled after LR_SETTLE_STEPS more steps at it
+    assert seen[warmup // 2] is None and seen[warmup + LR_SETTLE_STEPS - 3] is None
+    assert seen[restart - 1] == pytest.approx(1.0)
+    assert seen[restart] == pytest.approx(3.0)  # the restart's first step ran at 3x
+    assert seen[restart + 1] == pytest.approx(3.0)
+
+
 def test_channels_last_weights_and_their_state_are_read_element_for_element(attach):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).to(memory_format=torch.channels_last)

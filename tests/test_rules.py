@@ -363,6 +363,16 @@ CASES.update({
     "no_lr_zero_alert_for_a_group_at_0_from_the_start_a_warm_up_or_a_restart": (
         [lr("0x40", group="frozen"), lr(LR_WARMUP, group="warmup"), lr(LR_RESTART, group="sgdr")],
         [alert("GradmonLearningRateZero", "15m"), alert("GradmonLearningRateZero", "30m")]),
+    # the ratio to the settled peak is decided in the process (aggregate/scalars.py); absent until a peak settles
+    "a_learning_rate_half_again_above_its_settled_peak_warns_at_once_until_it_settles": (
+        [series("gradmon_learning_rate_over_peak", "1x5 1.3 1.5 2.5 4 _x3", rank="0", group="0")],
+        [alert("GradmonLearningRateAbovePeak", "5m"), alert("GradmonLearningRateAbovePeak", "6m"),
+         alert("GradmonLearningRateAbovePeak", "7m", ("warning", target(rank="0", group="0"))),
+         alert("GradmonLearningRateAbovePeak", "9m", ("warning", target(rank="0", group="0"))),
+         alert("GradmonLearningRateAbovePeak", "20m")]),
+    "no_lr_above_peak_alert_through_a_decay_a_restart_to_the_same_peak_or_just_under_the_bar": (
+        [series("gradmon_learning_rate_over_peak", "1 0.8 0.5 0.2 1 0.9 1.49 1.2", rank="0", group="0")],
+        [alert("GradmonLearningRateAbovePeak", f"{m}m") for m in range(8)]),
 })
 
 

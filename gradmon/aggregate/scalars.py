@@ -3,10 +3,57 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from .. import statistics as S
 from ..capture.packet import StepPacket
+
+
+LR_SETTLE_STEPS = 100
+"""Steps a parameter group's learning rate must go without a new high for that high to be
+its settled peak: a warm-up rises at every step and settles nothing, a schedule that
+decays or holds settles its peak within this many steps."""
+
+
+class _GroupRate:
+    __slots__ = ("high", "quiet", "settled", "now")
+
+    def __init__(self) -> None:
+        self.high = 0.0  # the highest rate seen
+        self.quiet = 0  # steps since the rate last rose above it
+        self.settled: Optional[float] = None
+        self.now: Optional[float] = None  # the last finite, positive rate
+
+
+class LearningRatePeaks:
+    """Each parameter group's learning rate over its settled peak (the highest rate it held
+    before ``LR_SETTLE_STEPS`` steps without a new high), from the first settled peak on.
+    A warm-up, a decay, a cosine restart back to the same peak read at most 1; a schedule
+    restarted above it, a resume with the wrong schedule or a rate scaled by mistake read
+    above 1 until the new rate has held for ``LR_SETTLE_STEPS`` steps and settles."""
+
+    def __init__(self, settle: int = LR_SETTLE_STEPS) -> None:
+        self._settle = settle
+        self._groups: List[_GroupRate] = []
+
+    def step(self, rates: Sequence[float]) -> None:
+        """One optimizer step's rates, by group (a NaN or a rate at or below 0 is left out)."""
+        self._groups += [_GroupRate() for _ in range(len(rates) - len(self._groups))]
+        for g, lr in zip(self._groups, rates):
+            if not 0.0 < lr < math.inf:
+                continue
+            g.now = lr
+            if lr > g.high:
+                g.high, g.quiet = lr, 0
+                continue
+            g.quiet += 1
+            if g.quiet >= self._settle:
+                g.settled = g.high
+
+    def ratios(self) -> Tuple[Tuple[int, float], ...]:
+        """(group, its rate over its settled peak) of each group with a settled peak."""
+        return tuple((i, g.now / g.settled) for i, g in enumerate(self._groups)
+                     if g.now is not None and g.settled is not None)
 
 
 class LastStep:
@@ -16,6 +63,7 @@ class LastStep:
         self.global_step: Optional[int] = None
         self.time: Optional[float] = None
         self.learning_rates: Tuple[float, ...] = ()  # per param group of the optimizer that closed the last step
+        self.peaks = LearningRatePeaks()
         self.amp_loss_scale: Optional[float] = None
         self.loss: Optional[float] = None  # the last loss observed, kept through steps without one
         self.loss_running_min: Optional[float] = None
@@ -34,6 +82,7 @@ class LastStep:
         lrs = tuple(scalars.get(S.learning_rate_scalar(group), math.nan) if lr is None else lr
                     for group, lr in enumerate(packet.learning_rates))
         self.learning_rates = lrs or self.learning_rates
+        self.peaks.step(lrs)
         return lrs
 
     def observe_loss(self, scalars: Mapping[str, float]) -> Optional[float]:

@@ -92,6 +92,7 @@ class Snapshot:
     spike_scores: Tuple[SpikeScore, ...] = ()
     spike_steps: Tuple[SpikeSteps, ...] = ()
     learning_rates: Tuple[float, ...] = ()  # per param group of the optimizer that closed the last step
+    learning_rate_over_peak: Tuple[Tuple[int, float], ...] = ()  # (group, rate over its settled peak)
     rank_nonfinite: Tuple[RankNonFinite, ...] = ()
     worst: Tuple[Worst, ...] = ()
     signal_gauges: Tuple[SignalGauge, ...] = ()

@@ -67,7 +67,11 @@ def _overview_stability(th: Thresholds) -> Panels:
               thresholds=[("green", None), ("orange", 1)],
               description="Counted in the process: a one-step spike between two scrapes is here."),
         panel(12, "Learning rate", "timeseries", (8, 39, 8, 8),
-              [(f"{M.LEARNING_RATE.name}{{{SEL}}}", "group {{group}} {{job}} rank {{rank}}")], log=True),
+              [(f"{M.LEARNING_RATE.name}{{{SEL}}}", "group {{group}} {{job}} rank {{rank}}"),
+               (f"{M.LEARNING_RATE_OVER_PEAK.name}{{{SEL}}}", "over its peak, group {{group}} {{job}} rank {{rank}}")],
+              log=True,
+              description=f"The rate, and the rate over its settled peak (GradmonLearningRateAbovePeak at "
+                          f"{th.lr_over_peak:g}x): a schedule that rises past its peak after settling."),
         panel(13, "Update-to-weight ratio (largest layer)", "timeseries", (16, 39, 8, 8),
               [(f"max by (job, rank) ({M.UPDATE_TO_WEIGHT_RATIO.name}{{{SEL}}})", "{{job}} rank {{rank}}")], log=True,
               description="Around 1e-3 per step is usual for Adam; per layer on the Layers dashboard."),

@@ -107,6 +107,14 @@ def optimizer_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               f"Learning rate of parameter group {{{{ $labels.group }}}} is {{{{ $value }}}} ({WHERE}): "
               "every update from now on poisons the weights.",
               f"max by ({TARGET}, group) ({lr} != {lr} or abs({lr}) == Inf)", 0),
+        Alert("GradmonLearningRateAbovePeak", "warning", "Learning rate above its earlier peak",
+              f"Learning rate of parameter group {{{{ $labels.group }}}} is {{{{ $value | humanize }}}}x the highest "
+              f"rate it had settled at ({WHERE}): a schedule restarted above its peak, a resume with the wrong "
+              "schedule, or a rate scaled by mistake. A model converged at its rate often collapses within tens "
+              "of steps of such a rise.",
+              # counted in the process per step: the rise is seen at any step rate, and the
+              # gauge holds above the bar until the new rate has held LR_SETTLE_STEPS steps
+              f"max by ({TARGET}, group) ({M.LEARNING_RATE_OVER_PEAK.name}) >= {th.lr_over_peak:g}", 0),
         Alert("GradmonLearningRateZero", "warning", "Learning rate stuck at 0",
               f"Learning rate of parameter group {{{{ $labels.group }}}} is 0 ({WHERE}) for {dur(t.lr_zero_for)} "
               f"after having been above 0 in the last {dur(t.history_window)}: the run is not learning. "

@@ -151,6 +151,8 @@ def add_view(fam: _Families, view: ExportView) -> None:
         fam.add(M.UNCOVERED_LAYERS, _with(base, family=family), count)
     for group, lr in enumerate(s.learning_rates):
         fam.add(M.LEARNING_RATE, _with(base, group=str(group)), lr)
+    for group, ratio in s.learning_rate_over_peak:
+        fam.add(M.LEARNING_RATE_OVER_PEAK, _with(base, group=str(group)), ratio)
 
 
 def _with_errors(view: ExportView, more: Mapping[str, int]) -> ExportView:
