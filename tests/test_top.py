@@ -165,6 +165,18 @@ def test_a_layer_above_its_baseline_fires_only_once_its_run_of_steps_reaches_the
     assert "!! GradmonGradNormAboveBaseline: embed: norm / its baseline 6 > 4" in frame(th.norm_ratio_steps)
 
 
+def test_a_learning_rate_past_its_settled_peak_fires_at_the_rules_bar():
+    th = alerting.Thresholds()
+    def frame(ratio: float) -> str:
+        text = exposition("gradmon_steps_total 500", 'gradmon_learning_rate{group="1"} 0.003',
+                          f'gradmon_learning_rate_over_peak{{group="1"}} {ratio}')
+        view = top.View(Fixed([text]), clock=lambda: 0.0)
+        view.refresh()
+        return "\n".join(top.render(view, width=300))
+    assert "GradmonLearningRateAbovePeak" not in frame(th.lr_over_peak * 0.99)
+    assert "!! GradmonLearningRateAbovePeak: group 1: lr 3x its settled peak >= 1.5" in frame(3.0)
+
+
 def test_sparkline_is_log_scaled_and_marks_non_finite_values():
     assert top.sparkline([1, 10, 100]) == "▁▅█"
     assert top.sparkline([1, float("nan"), 1000, None]) == "▁!█ "

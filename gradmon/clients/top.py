@@ -409,6 +409,11 @@ def _learning_rate(t: Target, _: Sequence[Reading], th: Thresholds) -> List[str]
             if not math.isfinite(v)]
 
 
+def _learning_rate_above_peak(t: Target, _: Sequence[Reading], th: Thresholds) -> List[str]:
+    return [f"group {have.get('group')}: lr {_num(v)}x its settled peak >= {_num(th.lr_over_peak)}"
+            for have, v in t.samples.get(M.LEARNING_RATE_OVER_PEAK.name, ()) if v >= th.lr_over_peak]
+
+
 def _failed(t: Target, _: Sequence[Reading], th: Thresholds) -> List[str]:
     if t.value(M.RUN_STATE.name, state=M.STATE_FAILED) != 1:
         return []
@@ -446,6 +451,7 @@ CHECKS: Tuple[Check, ...] = (
     Check("GradmonFp16HeadroomLow", _above(M.FP16_RANGE_USED.name, lambda th: 1 / th.fp16_min_headroom,
                                            "fp16 range used", tensor=M.TENSOR_ACTIVATION)),
     Check("GradmonLearningRateNonFinite", _learning_rate),
+    Check("GradmonLearningRateAbovePeak", _learning_rate_above_peak),
     Check("GradmonLossScaleCollapse", _loss_scale),
 )
 
