@@ -40,6 +40,11 @@ class Thresholds:
     half again above the highest rate the schedule had held. A restart back to the same peak
     reads 1; a converged model often collapses within tens of steps of a rise like this
     (the late collapses of the alert corpus are such restarts)."""
+    lr_settle_steps: int = 100
+    """Steps a parameter group's learning rate must go without a new high for that high to be
+    its settled peak (counted in the process): a warm-up rises at every step and settles
+    nothing, a schedule that decays or holds settles its peak within this many steps, and a
+    rise past it reads above 1 until the new rate has held this long."""
     divergence_factor: float = 10.0
     """A rank's local (pre-all-reduce) norm this many times the ranks' median (or, with two
     ranks, the other rank's) is diverging."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from conftest import fresh, value
+from gradmon.thresholds import Thresholds
 from gradmon.capture import optimizer as O
 
 LAYERS = ("0", "2")
@@ -268,10 +269,10 @@ def test_optimizer_every_samples_the_ratio_and_zero_turns_everything_off(attach)
 def test_a_schedule_restarted_above_its_peak_is_exported_over_its_settled_peak(attach):
     """A warm-up, then a held rate, then a restart that triples it: the monitor exports the
     rate over its settled peak from the first settled peak on (scalars.LearningRatePeaks)."""
-    from gradmon.aggregate.scalars import LR_SETTLE_STEPS
+    settle = Thresholds().lr_settle_steps
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    warmup, restart = 20, 20 + LR_SETTLE_STEPS + 5
+    warmup, restart = 20, 20 + settle + 5
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / warmup) * (3.0 if i >= restart else 1.0))
     mon = attach(model, detail_every=1000, optimizer_every=0)
@@ -281,11 +282,11 @@ def test_a_schedule_restarted_above_its_peak_is_exported_over_its_settled_peak(a
         opt.step()
         opt.zero_grad()
         sched.step()
-        if step in (warmup // 2, warmup + LR_SETTLE_STEPS - 3, restart - 1, restart, restart + 1):
+        if step in (warmup // 2, warmup + settle - 3, restart - 1, restart, restart + 1):
             ratios = [v for (n, _), v in fresh(mon).items() if n == "gradmon_learning_rate_over_peak"]
             seen[step] = ratios[0] if ratios else None
-    # the warm-up's last step (19) is the peak: settled after LR_SETTLE_STEPS more steps at it
-    assert seen[warmup // 2] is None and seen[warmup + LR_SETTLE_STEPS - 3] is None
+    # the warm-up's last step (19) is the peak: it settles after lr_settle_steps more steps at it
+    assert seen[warmup // 2] is None and seen[warmup + settle - 3] is None
     assert seen[restart - 1] == pytest.approx(1.0)
     assert seen[restart] == pytest.approx(3.0)  # the restart's first step ran at 3x
     assert seen[restart + 1] == pytest.approx(3.0)

@@ -7,12 +7,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 from .. import statistics as S
 from ..capture.packet import StepPacket
-
-
-LR_SETTLE_STEPS = 100
-"""Steps a parameter group's learning rate must go without a new high for that high to be
-its settled peak: a warm-up rises at every step and settles nothing, a schedule that
-decays or holds settles its peak within this many steps."""
+from ..thresholds import Thresholds
 
 
 class _GroupRate:
@@ -27,12 +22,12 @@ class _GroupRate:
 
 class LearningRatePeaks:
     """Each parameter group's learning rate over its settled peak (the highest rate it held
-    before ``LR_SETTLE_STEPS`` steps without a new high), from the first settled peak on.
-    A warm-up, a decay, a cosine restart back to the same peak read at most 1; a schedule
-    restarted above it, a resume with the wrong schedule or a rate scaled by mistake read
-    above 1 until the new rate has held for ``LR_SETTLE_STEPS`` steps and settles."""
+    before ``settle`` steps without a new high: ``Thresholds.lr_settle_steps``), from the
+    first settled peak on. A warm-up, a decay, a cosine restart back to the same peak read at
+    most 1; a schedule restarted above it, a resume with the wrong schedule or a rate scaled
+    by mistake read above 1 until the new rate has held for ``settle`` steps and settles."""
 
-    def __init__(self, settle: int = LR_SETTLE_STEPS) -> None:
+    def __init__(self, settle: int = Thresholds().lr_settle_steps) -> None:
         self._settle = settle
         self._groups: List[_GroupRate] = []
 

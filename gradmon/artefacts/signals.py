@@ -113,7 +113,7 @@ def optimizer_alerts(th: Thresholds, t: Timing) -> List[Alert]:
               "schedule, or a rate scaled by mistake. A model converged at its rate often collapses within tens "
               "of steps of such a rise.",
               # counted in the process per step: the rise is seen at any step rate, and the
-              # gauge holds above the bar until the new rate has held LR_SETTLE_STEPS steps
+              # gauge holds above the bar until the new rate has held lr_settle_steps steps
               f"max by ({TARGET}, group) ({M.LEARNING_RATE_OVER_PEAK.name}) >= {th.lr_over_peak:g}", 0),
         Alert("GradmonLearningRateZero", "warning", "Learning rate stuck at 0",
               f"Learning rate of parameter group {{{{ $labels.group }}}} is 0 ({WHERE}) for {dur(t.lr_zero_for)} "
