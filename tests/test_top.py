@@ -163,7 +163,8 @@ def one_frame(*samples: str) -> str:
 def test_a_layer_above_its_baseline_fires_only_once_its_run_of_steps_reaches_the_rules():
     th = alerting.Thresholds()
     def frame(run: int) -> str:
-        return one_frame('gradmon_grad_norm_baseline_ratio{layer="embed"} 6', f"gradmon_grad_norm_above_baseline_steps {run}")
+        return one_frame('gradmon_grad_norm_baseline_ratio{layer="embed"} 6',
+                         f"gradmon_grad_norm_above_baseline_steps {run}")
     assert "GradmonGradNormAboveBaseline" not in frame(th.norm_ratio_steps - 1)
     assert "!! GradmonGradNormAboveBaseline: embed: norm / its baseline 6 > 4" in frame(th.norm_ratio_steps)
 
@@ -171,7 +172,8 @@ def test_a_layer_above_its_baseline_fires_only_once_its_run_of_steps_reaches_the
 def test_a_learning_rate_past_its_settled_peak_fires_at_the_rules_bar():
     th = alerting.Thresholds()
     def frame(ratio: float) -> str:
-        return one_frame('gradmon_learning_rate{group="1"} 0.003', f'gradmon_learning_rate_over_peak{{group="1"}} {ratio}')
+        return one_frame('gradmon_learning_rate{group="1"} 0.003',
+                         f'gradmon_learning_rate_over_peak{{group="1"}} {ratio}')
     assert "GradmonLearningRateAbovePeak" not in frame(th.lr_over_peak * 0.99)
     assert "!! GradmonLearningRateAbovePeak: group 1: lr 3x its settled peak >= 1.5" in frame(3.0)
 

@@ -306,7 +306,8 @@ class Aggregator:
             nonfinite_origin=self.origins.origins(), norm_overflow_steps=counts.norm_overflow_steps,
             grouped_layers=self.grouped_layers, amp_skipped_steps=counts.amp_skipped(),
             amp_loss_scale=last.amp_loss_scale, spike_scores=scores, spike_steps=spike_steps,
-            learning_rates=last.learning_rates, learning_rate_over_peak=last.peaks.ratios(), rank_nonfinite=layers.rank_nonfinite, worst=layers.worst,
+            learning_rates=last.learning_rates, learning_rate_over_peak=last.peaks.ratios(),
+            rank_nonfinite=layers.rank_nonfinite, worst=layers.worst,
             signal_gauges=signal_gauges(self.spikes, self.divergence),
             guard_skipped_steps=self.guard.series() if self.guard is not None else (),
             guard_last_skip=self.guard.last if self.guard is not None else None)
