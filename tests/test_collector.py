@@ -178,17 +178,19 @@ def test_a_pause_left_behind_still_collects_every_paused_young_allocations(attac
     attach(model, detail_every=1)
     model(torch.randn(4, 8))
     assert paused()
-    young: List[int] = []
+    ran: List[int] = []
 
     def count(phase: str, info: dict) -> None:
-        if phase == "start" and info["generation"] == 0:
-            young.append(1)
+        # the young generation's overflow collects the oldest generation that is due with it
+        # (the middle one, after every tenth young collection): any generation counts
+        if phase == "start":
+            ran.append(info["generation"])
     gc.callbacks.append(count)
     try:
         kept = [[] for _ in range(collector.PAUSED_YOUNG + 10_000)]
     finally:
         gc.callbacks.remove(count)
-    assert young and len(kept) > collector.PAUSED_YOUNG
+    assert ran and len(kept) > collector.PAUSED_YOUNG
 
 
 def test_detaching_mid_step_ends_the_pause():
