@@ -91,8 +91,9 @@ class Forward:
         self.layer_hooks: Optional[LayerHooks] = None  # set by HookSet.install
         self._in_root = False  # inside the root's forward
         self._defer_blocks = False  # this step's block checks wait for the end of the forward
-        self._deferring = False  # inside a root's training forward whose block checks wait
-        self.lane: Optional[BlockChecks] = None  # while deferring, eager: where blocks' forwards keep outputs
+        # inside a root's (eager) training forward whose block checks wait: where the blocks'
+        # outputs are kept, by their hooks' lean path and by their forwards (BlockForward)
+        self.lane: Optional[BlockChecks] = None
         self.collector = CollectorPause()  # from a detail step's first training forward to its close
 
     def next_step(self, detail: bool) -> None:
@@ -140,8 +141,7 @@ class Forward:
         self._rec.blocks.drop()
         self._in_root = True
         training = self._training_forward(module)
-        self._deferring = self._defer_blocks and self._block and training
-        self.lane = self._rec.blocks if self._deferring else None
+        self.lane = self._rec.blocks if self._defer_blocks and self._block and training else None
         with self._guard("forward"):
             if training:
                 self._root_forward()
@@ -159,7 +159,7 @@ class Forward:
         returned has had its waiting block outputs checked (:meth:`on_root_forward`); one
         that raised (out of memory, say) leaves them unchecked, and none may stay held: a
         retry must find the memory free."""
-        self._in_root = self._deferring = False
+        self._in_root = False
         self.lane = None
         self._rec.blocks.drop()
 
@@ -214,8 +214,9 @@ class Forward:
         timed = not block % WAIT_TIMED
         t0 = perf_counter() if timed else 0.0
         try:
-            waits = (self._deferring and type(output) is torch.Tensor and module.training
-                     and torch.is_grad_enabled() and self._rec.blocks.wait(block, output))
+            lane = self.lane
+            waits = (lane is not None and type(output) is torch.Tensor and module.training
+                     and torch.is_grad_enabled() and lane.wait(block, output))
         except Exception:  # noqa: BLE001 - an inference tensor has no version counter, say
             waits = False
         if timed:
