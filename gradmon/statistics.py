@@ -273,8 +273,21 @@ class Statistic:
         return [c.name for c in self.columns].index(column)
 
 
-def _norm(c: Mapping[str, float]) -> float:
-    return c["norm"]
+class ColumnValue:
+    """A gauge's value that is one folded column as it is (a NORM column rooted): the fold
+    reads it from each layer's accumulator directly, with no mapping built per layer."""
+
+    def __init__(self, column: str) -> None:
+        self.column = column
+
+    def __call__(self, c: Mapping[str, float]) -> float:
+        return c[self.column]
+
+    def __repr__(self) -> str:
+        return f"ColumnValue({self.column!r})"
+
+
+_norm = ColumnValue("norm")
 
 
 def _rms(c: Mapping[str, float]) -> float:
@@ -508,6 +521,9 @@ def _check(table: Sequence[Statistic]) -> None:
             assert s.total is not None and any(c.fold == NORM for c in s.columns), s.name
         if s.origin is not None and s.forward:
             s.index("lo"), s.index("hi")
+        for g in s.gauges:
+            if isinstance(g.value, ColumnValue):
+                s.index(g.value.column)
         if s.derive is not None:
             # a source recorded earlier in the same pass, at the same kind of moment
             source = next(t for t in table if t.name == s.derive[0])

@@ -103,3 +103,22 @@ def test_counts_and_origin_flags_of_a_step_folded_at_once_equal_a_fold_record_by
     at_once, by_record = fold(True), fold(False)
     assert at_once[0] is True
     assert repr(at_once) == repr(by_record)
+
+
+@pytest.mark.parametrize("stat", [st for st in S.STATISTICS if any(isinstance(g.value, S.ColumnValue) for g in st.gauges)],
+                         ids=lambda st: st.name)
+def test_a_gauge_of_one_column_reads_what_the_mapping_of_the_columns_gives(stat):
+    """The fold reads a ``ColumnValue`` gauge straight from the accumulators: the same values,
+    NaN, infinities and zeros included, as the gauge's function of each layer's columns."""
+    rng = random.Random(7)
+    f = Folded(stat, 30, {g.baseline: 8 for g in stat.gauges if g.baseline}, None)
+    acc = {layer: f.combine(None, row, rng.randrange(1, 100))
+           for layer, row in enumerate(_table(rng, 30, len(stat.columns), 0.3).tolist())}
+    f.update_gauges(acc)
+    for gauge in stat.gauges:
+        if isinstance(gauge.value, S.ColumnValue):
+            want = [gauge.value(f.columns(a)) for a in acc.values()]
+            got = f._column(acc, f.names.index(gauge.value.column))
+            assert all(_same(w, g) for w, g in zip(want, got)), gauge.spec.name
+            if gauge.baseline is None and not gauge.since_first:
+                assert all(_same(w, f.gauges[gauge][layer]) for layer, w in zip(acc, want)), gauge.spec.name

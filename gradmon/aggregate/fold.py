@@ -90,6 +90,9 @@ class Folded:
         self.lo = stat.index("lo") if stat.forward and stat.origin else -1
         self.hi = stat.index("hi") if stat.forward and stat.origin else -1
         self.names = [c.name for c in columns]
+        # gauges that read one column as it is: read without a mapping per layer
+        self._column_of = {g: self.names.index(g.value.column) for g in stat.gauges
+                           if isinstance(g.value, S.ColumnValue)}
         # MOMENTS merge pairwise, record by record: such a statistic folds row by row
         self.at_once = self.moments is None
         # whether anything reads the accumulators (BLOCK_FINITE's records only flag an origin)
@@ -183,6 +186,12 @@ class Folded:
         acc[-1] += numel
         return acc
 
+    def _column(self, acc: Mapping[int, List[float]], j: int) -> List[Optional[float]]:
+        """Column ``j`` of every layer's accumulator, as :meth:`columns` gives it."""
+        if j in self.norms:
+            return [math.sqrt(a[j]) for a in acc.values()]
+        return [a[j] for a in acc.values()]
+
     def columns(self, acc: List[float]) -> Dict[str, float]:
         values = dict(zip(self.names, acc))
         for j in self.norms:
@@ -254,13 +263,20 @@ class Folded:
         ratio) read it once."""
         if not self.stat.gauges:
             return {}
-        columns = list(map(self.columns, acc.values()))
+        columns: Optional[List[Dict[str, float]]] = None
         read: Dict[Callable[[Mapping[str, float]], Optional[float]], List[Optional[float]]] = {}
         out = {}
         for gauge in self.stat.gauges:
             values = read.get(gauge.value)
             if values is None:
-                values = read[gauge.value] = list(map(gauge.value, columns))
+                j = self._column_of.get(gauge)
+                if j is not None:
+                    values = self._column(acc, j)
+                else:
+                    if columns is None:
+                        columns = list(map(self.columns, acc.values()))
+                    values = list(map(gauge.value, columns))
+                read[gauge.value] = values
             growth = self._growths.get(gauge)
             if growth is not None:
                 if growth.update(self.gauges[gauge], acc, values):
