@@ -99,6 +99,7 @@ class Folded:
         self.keeps = bool(stat.gauges or stat.total is not None or stat.coverage)
         self._rules = [(cols, rule) for cols, rule in ((self.peaks + self.highs, "amax"), (self.lows, "amin")) if cols]
         self._plans: Dict[Tuple[int, ...], Plan] = {}
+        self._numels: Optional[Tuple[Plan, Tuple[int, ...], List[int]]] = None
 
     def folds_at_once(self, records: int) -> bool:
         """Whether a section of ``records`` records is folded all at once."""
@@ -128,11 +129,11 @@ class Folded:
         (n, width) float64 table of the records laid out by ``plan``. Not for MOMENTS
         (:attr:`at_once` is False)."""
         src = table.clone() if self.norms or self.peaks else table
-        if self.norms:
-            x = table[:, self.norms]
-            src[:, self.norms] = x * x
-        if self.peaks:
-            src[:, self.peaks] = table[:, self.peaks].abs()
+        for j in self.norms:  # column views, squared in place: no gather and scatter of columns
+            col = src[:, j]
+            col.mul_(col)
+        for j in self.peaks:
+            src[:, j].abs_()
         if plan.inverse is None:
             out, counts = src, list(numels)
         else:
@@ -146,18 +147,32 @@ class Folded:
         """Each layer's records of ``src`` reduced by their columns' rules: sums in record
         order (``index_add_`` adds one record after another), extremes with NaN kept."""
         inverse, m = plan.inverse, len(plan.layers)
-        out = src[plan.first]  # a column without a rule keeps the first record's value, as combine does
         added = self.norms + self.sums
-        if added:
-            out[:, added] = src.new_zeros(m, len(added)).index_add_(0, inverse, src[:, added])
+        if len(added) == src.shape[1]:  # every column sums (a gradient's): one pass, no gather
+            out = src.new_zeros(m, src.shape[1]).index_add_(0, inverse, src)
+        else:
+            out = src[plan.first]  # a column without a rule keeps the first record's value, as combine does
+            if added:
+                out[:, added] = src.new_zeros(m, len(added)).index_add_(0, inverse, src[:, added])
         for cols, rule in self._rules:
             part = src[:, cols]
             where = inverse.unsqueeze(1).expand(-1, len(cols))
             best = src.new_zeros(m, len(cols)).scatter_reduce_(0, where, part, rule, include_self=False)
             nan = src.new_zeros(m, len(cols)).index_add_(0, inverse, part.isnan().to(src.dtype))
             out[:, cols] = best.masked_fill_(nan > 0, math.nan)
-        counts = torch.zeros(m, dtype=torch.int64).index_add_(0, inverse, torch.tensor(numels, dtype=torch.int64))
-        return out, counts.tolist()
+        return out, self._layer_numels(plan, numels)
+
+    def _layer_numels(self, plan: Plan, numels: Sequence[int]) -> List[int]:
+        """Each layer's elements, summed over its records: the same every step while the
+        parameters are (the last layout's sums are kept)."""
+        kept = self._numels
+        if kept is not None and kept[0] is plan and kept[1] == numels:
+            return kept[2]
+        counts = [0] * len(plan.layers)
+        for at, n in zip(plan.inverse.tolist(), numels):  # type: ignore[union-attr]
+            counts[at] += n
+        self._numels = (plan, tuple(numels), counts)
+        return counts
 
     def combine(self, acc: Optional[List[float]], row: Sequence[float], numel: int) -> List[float]:
         """Fold one record into a layer's accumulator (NORM columns as squares, numel last)."""

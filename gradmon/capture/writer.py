@@ -7,6 +7,8 @@ and ``statistics.read_scalars`` read them back from the same layout on the publi
 from __future__ import annotations
 
 import dataclasses
+from itertools import chain
+from operator import itemgetter
 from typing import List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -21,6 +23,7 @@ Record = Tuple[int, int, Sequence[torch.Tensor]]
 """One record: its key (a layer, a block, a parameter), the numel it measured, one tensor per part."""
 Rows = Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[torch.Tensor, ...]]
 """Records made many at once: their keys, numels, and one (n, width) block per part."""
+_KEY, _NUMEL = itemgetter(0), itemgetter(1)  # of a Record, and of Rows
 Batched = Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]
 """A batched statistic's (n, width) rows, with the parameter and the numel of each row."""
 
@@ -119,11 +122,12 @@ def _recorded(st: Statistic, records: Records, home: Optional[torch.device], err
         errors.record("step", exc)
         committed = [rec for rec in committed if all(type(part) is torch.Tensor for part in rec[2])]
         blocks = _stack_parts(st, committed, home) if committed else []
-    keys = tuple(key for key, _, _ in committed)
-    numels = tuple(numel for _, numel, _ in committed)
+    keys = tuple(map(_KEY, committed))
+    numels = tuple(map(_NUMEL, committed))
     if records.rows:
-        keys += tuple(key for rows in records.rows for key in rows[0])
-        numels += tuple(numel for rows in records.rows for numel in rows[1])
+        # C-level flattening: a model's thousand blocks come as one or two batches of rows
+        keys += tuple(chain.from_iterable(map(_KEY, records.rows)))
+        numels += tuple(chain.from_iterable(map(_NUMEL, records.rows)))
         blocks = [torch.cat([b.reshape(len(b), -1).to(home) for b in ([blocks[j]] if blocks else [])
                              + [rows[2][j] for rows in records.rows]])
                   for j in range(len(st.parts))]
