@@ -19,6 +19,7 @@ from conftest import needs_cuda, op_names
 
 from gradmon import statistics as S
 from gradmon.capture import optimizer
+from gradmon.capture import params as params_unit
 from gradmon.capture.forward import Forward, LayerHooks
 from gradmon.capture.guard import Guards
 from gradmon.capture.layers import Layer
@@ -61,6 +62,41 @@ def test_each_parameter_is_hooked_once_while_hooked_and_not_after():
     slots.sync(slots.current(), lambda i, p: seen.append(i))
     lin(torch.ones(1, 2)).sum().backward()
     assert sorted(seen) == [0, 1]
+
+
+def test_whatever_a_module_s_parameter_dict_holds_is_read_at_once():
+    """The slots read the modules' parameter dicts, so a parameter put there directly
+    (as ``torch.func.functional_call`` does, bypassing ``register_parameter``), set to None
+    or deleted is seen at the very next read."""
+    lin = nn.Linear(2, 2)
+    slots = slots_of(lin)
+    assert slots.current() == [lin.weight, lin.bias]
+    w = nn.Parameter(torch.zeros(2, 2))
+    lin._parameters["weight"] = w
+    assert slots.current()[0] is w
+    del lin.bias
+    assert slots.current() == [w, None]
+    lin.weight = None
+    assert slots.current() == [None, None]
+
+
+def test_a_module_given_a_new_parameter_dict_is_read_within_a_few_dozen_reads():
+    lin = nn.Linear(2, 2)
+    slots = slots_of(lin)
+    slots.current()
+    w = nn.Parameter(torch.zeros(2, 2))
+    lin._parameters = {"weight": w, "bias": lin.bias}
+    reads = next((i for i in range(1, 1000) if slots.current()[0] is w), None)
+    assert reads is not None and reads <= params_unit._REREAD
+
+
+def test_a_model_deleted_while_monitored_frees_its_parameters():
+    lin = nn.Linear(2, 2)
+    slots, weight = slots_of(lin), weakref.ref(lin.weight)
+    slots.current()  # holds the modules' parameter dicts from here on
+    del lin
+    gc.collect()
+    assert weight() is None and slots.current() == [None, None]
 
 
 def test_the_slots_keep_no_model_alive():

@@ -1,8 +1,10 @@
 """The monitored parameters, and their post-accumulate-grad hooks while those are wanted.
 
 Parameters are held by (module, attribute name), never by reference: a parameter replaced
-after attach (a new ``nn.Parameter``, ``load_state_dict(assign=True)``) is measured in place
-of the old one, and the old one can be freed.
+after attach (a new ``nn.Parameter``, ``load_state_dict(assign=True)``, an entry written into
+the module's parameter dict directly) is measured in place of the old one, and the old one can
+be freed. Each step reads the modules' parameter dicts, kept while the modules live, and
+re-reads the modules themselves every few dozen reads (a module given a new dict as a whole).
 
 Per-parameter hooks find the end of a backward that passed through no output gradmon saw (a
 forward of a deeper submodule), and record LOCAL_GRAD. They cost a Python call per parameter
@@ -29,6 +31,7 @@ from __future__ import annotations
 import logging
 import weakref
 from functools import partial
+from operator import attrgetter
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -82,12 +85,25 @@ def hook_accumulated(p: torch.Tensor, fn: Callable[[torch.Tensor], None], on_par
     return AccumulatorHook(p, fn)
 
 
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_REREAD = 64
+"""Reads of the parameters from the modules' parameter dicts kept between two reads through
+the modules themselves (which notice a module given a new dict as a whole)."""
+
+
 class ParamSlots:
     def __init__(self, layers: Sequence[Layer]) -> None:
         self._slots: List[Tuple[weakref.ref, str]] = []
         for layer in layers:
             names = {id(p): n for n, p in layer.module._parameters.items() if p is not None}
-            self._slots += [(weakref.ref(layer.module), names[id(p)]) for p in layer.params]
+            ref = weakref.ref(layer.module, self._module_gone)
+            self._slots += [(ref, names[id(p)]) for p in layer.params]
+        self._names = [name for _, name in self._slots]
+        # each slot's module's parameter dict: read each step at C level, the modules untouched
+        # (a model's thousands of modules are a cache miss each right after a backward); dropped
+        # when a module goes, so that a model deleted while monitored frees its parameters
+        self._dicts: Optional[List[Any]] = None
+        self._reads = 0
         self.param_layer: Tuple[int, ...] = tuple(layer.index for layer in layers for _ in layer.params)
         """The layer of each parameter, in slot order."""
         self.hooked = True
@@ -103,9 +119,30 @@ class ParamSlots:
         self._on_params = False  # whether the hooks held are the parameters' own
 
     def current(self) -> List[Optional[torch.Tensor]]:
-        """The monitored parameters as the modules hold them now (None: gone, or frozen)."""
-        return [p if (p := (m._parameters.get(name) if (m := ref()) is not None else None)) is not None
-                and p.requires_grad else None for ref, name in self._slots]
+        """The monitored parameters as the modules hold them now (None: gone, or frozen):
+        whatever a module's parameter dict holds under the name, however it got there."""
+        self._reads += 1
+        if self._dicts is None or self._reads % _REREAD == 0:
+            self._dicts = self._module_dicts()
+            if self._dicts is None:  # a module is gone
+                return [p if (p := (m._parameters.get(name) if (m := ref()) is not None else None)) is not None
+                        and p.requires_grad else None for ref, name in self._slots]
+        got = list(map(dict.get, self._dicts, self._names))
+        try:
+            if all(map(_REQUIRES_GRAD, got)):
+                return got
+        except AttributeError:  # a None: a parameter deleted or set to None
+            pass
+        return [p if p is not None and p.requires_grad else None for p in got]
+
+    def _module_dicts(self) -> Optional[List[Any]]:
+        modules = [ref() for ref, _ in self._slots]
+        if any(m is None for m in modules):
+            return None
+        return [m._parameters for m in modules]
+
+    def _module_gone(self, _ref: Any) -> None:
+        self._dicts = None
 
     def sync(self, params: List[Optional[torch.Tensor]], on_grad: Callable[[int, torch.Tensor], None]) -> bool:
         """Notice parameters replaced since last time (``params``: :meth:`current`) and keep
@@ -169,6 +206,7 @@ class ParamSlots:
         """Hold nothing of the model any more (after detach)."""
         self.remove_hooks()
         self._known = []
+        self._dicts = None
 
     def __len__(self) -> int:
         return len(self._slots)
