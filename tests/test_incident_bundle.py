@@ -19,6 +19,7 @@ from gradmon.incidents import bundle as B
 from gradmon.incidents import recorder as R
 
 import incident_worker as W
+from conftest import fresh
 
 HERE = Path(__file__).resolve().parent
 
@@ -285,6 +286,88 @@ def test_outputs_of_one_shape_are_checked_by_one_stack_as_the_flat_copy_checks_t
     assert len(rows) == (1 if batch else 0)
     for j, (w_lo, w_hi) in enumerate(torch.aminmax(t.float()) for t in outs):
         assert np.allclose((lo[j, 0].item(), hi[j, 0].item()), (w_lo.item(), w_hi.item()), equal_nan=True)
+
+
+@pytest.mark.parametrize("batch", [4, None])
+def test_outputs_of_several_shapes_are_checked_by_one_stack_per_shape_as_the_flat_copy_checks_them(monkeypatch, batch):
+    """A transformer's top-level outputs (embeddings, blocks, head) have a few shapes: stacked
+    by shape, the extremes, rows and order are the flat copy's (the reference here), and a
+    layout kept from the forward before that no longer fits is made anew."""
+    from gradmon.capture import kernels as stats
+    torch.manual_seed(0)
+    outs = [torch.randn(4, 3, 5) for _ in range(5)] + [torch.randn(3, 5), torch.randn(4, 3, 7)]
+    outs.insert(2, outs.pop())  # the shapes interleaved: positions, not runs, make the stacks
+    outs[1][2, 0, 3], outs[2][0, 2, 6], outs[5][3, 1, 0], outs[6][1, 1] = (
+        float("nan"), float("inf"), float("-inf"), float("nan"))
+    flats = []
+    real_flat = stats._flat
+    monkeypatch.setattr(stats, "_flat", lambda group: flats.append(len(group)) or real_flat(group))
+    assert stats.stack_alike(outs) is None
+    for last in (None, ((0, 1), (2, 3, 4, 5, 6, 7)), ((0, 1, 3, 4, 5), (2,), (6,))):
+        stacked = stats.stack_by_shape(outs, last)
+        assert stacked is not None and sorted(map(sorted, stacked.positions)) == [[0, 1, 3, 4, 5], [2], [6]]
+        rows: list = []
+        lo, hi, order = stats.extremes_many(outs, torch.device("cpu"), batch, rows, stacked)
+        assert flats == [] and sorted(order) == list(range(len(outs)))
+        ref_rows: list = []
+        ref_lo, ref_hi, ref_order = stats.extremes_many(outs, torch.device("cpu"), batch, ref_rows, stacked=False)
+        flats.clear()
+        by_tensor = {i: (lo[j, 0].item(), hi[j, 0].item()) for j, i in enumerate(order)}
+        ref = {i: (ref_lo[j, 0].item(), ref_hi[j, 0].item()) for j, i in enumerate(ref_order)}
+        assert by_tensor.keys() == ref.keys()
+        for i in ref:
+            assert np.allclose(by_tensor[i], ref[i], equal_nan=True), i
+        row_of = {i: block[st:st + 4] for ix, block, sts in rows for i, st in zip(ix, sts)}
+        ref_row_of = {i: block[st:st + 4] for ix, block, sts in ref_rows for i, st in zip(ix, sts)}
+        assert row_of.keys() == ref_row_of.keys() == ({0, 1, 2, 3, 4, 5} if batch else set())
+        for i in ref_row_of:
+            assert torch.equal(row_of[i].isnan(), ref_row_of[i].isnan())
+            assert torch.equal(row_of[i].nan_to_num(), ref_row_of[i].nan_to_num())
+
+
+def test_a_forward_whose_blocks_return_several_shapes_checks_them_by_stacks_from_the_second_forward_on(attach, monkeypatch):
+    """The stacks' layout is learnt once: later forwards stack by it directly, with neither
+    the flat copy nor a stack of all the outputs tried first."""
+    from gradmon.capture import kernels as stats
+
+    class Widen(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 12)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), Widen(),
+                                torch.nn.Linear(12, 8), torch.nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model, detail_every=1000)
+    calls = {"stacks": 0, "alike": 0}
+    real_stacks, real_alike = stats._extremes_of_stacks, stats.stack_alike
+
+    def alike(tensors, least=2):
+        calls["alike"] += least == 2  # a stack of all the outputs tried
+        return real_alike(tensors, least)
+
+    def stacks(*args):
+        calls["stacks"] += 1
+        return real_stacks(*args)
+    monkeypatch.setattr(stats, "_extremes_of_stacks", stacks)
+    monkeypatch.setattr(stats, "stack_alike", alike)
+    for step in range(7):
+        if step == 3:
+            calls.update(stacks=0, alike=0)
+        if step == 5:
+            with torch.no_grad():
+                model[4].weight[0, 0] = float("nan")
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert calls == {"stacks": 4, "alike": 0}  # steps 3 to 6, one forward each
+    found = {dict(ls)["tensor"]: dict(ls)["layer"] for (n, ls), v in fresh(mon).items()
+             if n == "gradmon_nonfinite_origin_step"}
+    assert found["block"] == "4", found
 
 
 def test_a_forward_of_a_thousand_small_blocks_keeps_one_row_block_not_one_per_block(attach, tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ import itertools
 import math
 import operator
 from collections import defaultdict
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -580,7 +580,7 @@ def _size_plan(sizes: Tuple[Hashable, ...], by_size: bool = True) -> Optional[_S
 @torch.no_grad()  # the outputs are read, never differentiated: no graph for the copy, no detach per tensor
 def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Optional[int] = None,
                   rows: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]] = None,
-                  stacked: Union[torch.Tensor, bool] = True) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+                  stacked: Union[torch.Tensor, "Stacks", bool] = True) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
     """(lo, hi, order): the min and max of each of ``tensors`` as two (n, 1) columns on
     ``home`` in the ship dtype, row j describing ``tensors[order[j]]``. The check of many
     small outputs at once (the top-level blocks of a forward): those of one device and
@@ -599,12 +599,14 @@ def extremes_many(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
     would keep thousands alive for the incident recorder's steps, and the collector
     would walk them).
 
-    ``stacked``: :func:`stack_alike` of ``tensors``, where the caller made it (False: it
-    gave None; True: not asked yet)."""
+    ``stacked``: :func:`stack_alike` of ``tensors`` (or :func:`stack_by_shape`'s
+    :class:`Stacks`), where the caller made it (False: neither serves; True: not asked yet)."""
     if stacked is True:
         stacked = stack_alike(tensors)
     if isinstance(stacked, torch.Tensor):
         return _extremes_stacked(stacked, home, batch, rows)
+    if isinstance(stacked, Stacks):
+        return _extremes_of_stacks(stacked, home, batch, rows)
     groups = _groups(tensors, list(map(torch.Tensor.numel, tensors)))
     ship = _ship_dtype(home)
     los: List[torch.Tensor] = []
@@ -666,12 +668,12 @@ def extremes_held(tensors: Sequence[torch.Tensor], home: torch.device, batch: Op
     return whole[:, :1], whole[:, 1:], tuple(order)
 
 
-def stack_alike(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Two or more small CPU tensors of one shape, with values, stacked, where the stack is a
-    dense floating-point tensor (mixed floating dtypes stack to the widest, which holds every
-    value of the others exactly); else None. The stack checks shape and device itself, in
-    C++, where asking each tensor took a pass of attribute reads apiece."""
-    if len(tensors) < 2 or tensors[0].device.type != "cpu" or not 0 < tensors[0].numel() < _DOT_MIN:
+def stack_alike(tensors: Sequence[torch.Tensor], least: int = 2) -> Optional[torch.Tensor]:
+    """``least`` or more small CPU tensors of one shape, with values, stacked, where the stack
+    is a dense floating-point tensor (mixed floating dtypes stack to the widest, which holds
+    every value of the others exactly); else None. The stack checks shape and device itself,
+    in C++, where asking each tensor took a pass of attribute reads apiece."""
+    if len(tensors) < least or tensors[0].device.type != "cpu" or not 0 < tensors[0].numel() < _DOT_MIN:
         return None
     try:
         with torch.no_grad():  # read, never differentiated
@@ -680,6 +682,57 @@ def stack_alike(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
     return (x if x.device.type == "cpu" and x.dtype.is_floating_point and x.layout == torch.strided
             and not x.is_meta else None)
+
+
+class Stacks(NamedTuple):
+    """Small CPU tensors of a few shapes (a transformer's embeddings, blocks and head),
+    stacked by shape: :func:`stack_alike` of each shape's tensors."""
+
+    positions: Tuple[Tuple[int, ...], ...]
+    """The tensors in each stack, by their position in the list stacked; every one once."""
+    stacks: Tuple[torch.Tensor, ...]
+
+
+def stack_by_shape(tensors: Sequence[torch.Tensor], last: Optional[Tuple[Tuple[int, ...], ...]] = None
+                   ) -> Optional[Stacks]:
+    """:func:`stack_alike` for tensors of several shapes: one stack per shape; None where a
+    shape's tensors do not stack (or are not small CPU ones). ``last``: the positions of the
+    stacks of the forward before, tried first (the same layout comes back every step; a stack
+    proves its tensors' shapes, so a layout that changed is found out and made anew)."""
+    if last is not None and sum(map(len, last)) == len(tensors):
+        made = _stacks(tensors, last)
+        if made is not None:
+            return made
+    by_shape: Dict[torch.Size, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_shape.setdefault(t.shape, []).append(i)
+    return _stacks(tensors, tuple(map(tuple, by_shape.values())))
+
+
+def _stacks(tensors: Sequence[torch.Tensor], positions: Tuple[Tuple[int, ...], ...]) -> Optional[Stacks]:
+    stacks = []
+    for idx in positions:
+        x = stack_alike([tensors[i] for i in idx], least=1)
+        if x is None:
+            return None
+        stacks.append(x)
+    return Stacks(positions, tuple(stacks))
+
+
+def _extremes_of_stacks(stacked: Stacks, home: torch.device, batch: Optional[int],
+                        rows: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]]
+                        ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """:func:`_extremes_stacked` of each stack, the rows told by the tensors' positions."""
+    los, his = [], []
+    for idx, x in zip(stacked.positions, stacked.stacks):
+        mine: Optional[List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]] = [] if rows is not None else None
+        lo, hi, _ = _extremes_stacked(x, home, batch, mine)
+        if rows is not None:
+            rows.extend((tuple(idx[k] for k in local), block, starts) for local, block, starts in mine)  # type: ignore[union-attr]
+        los.append(lo)
+        his.append(hi)
+    order = tuple(itertools.chain.from_iterable(stacked.positions))
+    return torch.cat(los), torch.cat(his), order
 
 
 def _extremes_stacked(x: torch.Tensor, home: torch.device, batch: Optional[int],

@@ -12,7 +12,7 @@ import logging
 import operator
 import weakref
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -191,7 +191,7 @@ class BlockChecks:
     the forward, of all of them at once, and one that is not is checked alone then, as its
     hook would have, and goes back to its hook's check."""
 
-    __slots__ = ("waiting", "probing", "settled", "weighing", "held")
+    __slots__ = ("waiting", "probing", "settled", "weighing", "held", "shapes")
 
     def __init__(self) -> None:
         self.waiting: List[Tuple[int, torch.Tensor, int]] = []  # (block key, output, its version then)
@@ -199,6 +199,8 @@ class BlockChecks:
         self.settled: set = set()  # block keys whose small outputs may wait
         self.weighing: List[Tuple[int, "weakref.ref[torch.Tensor]", int]] = []  # heavy ones checked, weighed
         self.held: set = set()  # block keys whose heavy outputs may wait
+        # where the last forward's outputs had several shapes: their positions by shape
+        self.shapes: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     @staticmethod
     def plain(t: Any) -> bool:
@@ -298,7 +300,7 @@ class BlockChecks:
             if not waiting:
                 return alone
         tensors = list(map(_OUTPUT, waiting))
-        stacked = stats.stack_alike(tensors)  # proves them plain, all at once
+        stacked = self._stack(tensors)  # proves them plain, all at once
         if stacked is None and not _all_plain(tensors):
             plain = list(map(self.plain, tensors))
             alone += [(key, t) for (key, t, _), ok in zip(waiting, plain) if not ok]
@@ -311,7 +313,7 @@ class BlockChecks:
             if not waiting:
                 return alone
         every_key = [entry[0] for entry in waiting]
-        every_numel = ([tensors[0].numel()] * len(tensors) if stacked is not None
+        every_numel = ([tensors[0].numel()] * len(tensors) if isinstance(stacked, torch.Tensor)
                        else list(map(torch.Tensor.numel, tensors)))
         for st, records in into:
             if st is S.BLOCK_FINITE and rows is not None and rows.size is not None:
@@ -323,6 +325,20 @@ class BlockChecks:
                 *parts, order = st.record_many(tensors, tensors[0].device)
             _add_rows(records, every_key, every_numel, parts, order, alias)
         return alone
+
+    def _stack(self, tensors: Sequence[torch.Tensor]) -> Union[torch.Tensor, stats.Stacks, None]:
+        """The outputs stacked (:func:`stats.stack_alike`), or stacked by shape where they
+        have a few (:func:`stats.stack_by_shape`: a transformer's embeddings, blocks and
+        head), whose layout is kept for the next forward, which goes to it directly."""
+        if self.shapes is None:
+            x = stats.stack_alike(tensors)
+            if x is not None or len(tensors) < 2:
+                return x
+        made = stats.stack_by_shape(tensors, self.shapes)
+        self.shapes = made.positions if made is not None and len(made.stacks) > 1 else None
+        if made is not None and len(made.stacks) == 1:  # one shape after all
+            return made.stacks[0]
+        return made
 
     def _flush_held(self, held: Sequence[Tuple[int, torch.Tensor, int]], into: Sequence[Tuple[Statistic, "_Records"]],
                     alias: Sequence[int], rows: Optional["BatchRows"]) -> List[Tuple[int, torch.Tensor]]:
