@@ -122,12 +122,15 @@ class ParamSlots:
         """The monitored parameters as the modules hold them now (None: gone, or frozen):
         whatever a module's parameter dict holds under the name, however it got there."""
         self._reads += 1
-        if self._dicts is None or self._reads % _REREAD == 0:
-            self._dicts = self._module_dicts()
-            if self._dicts is None:  # a module is gone
-                return [p if (p := (m._parameters.get(name) if (m := ref()) is not None else None)) is not None
-                        and p.requires_grad else None for ref, name in self._slots]
-        got = list(map(dict.get, self._dicts, self._names))
+        dicts = self._dicts  # once: a module's death may drop them from another thread
+        if dicts is None or self._reads % _REREAD == 0:
+            dicts = self._dicts = self._module_dicts()
+        try:
+            got = list(map(dict.get, dicts, self._names))  # type: ignore[arg-type]
+        except TypeError:  # a module is gone (None), or its parameters are no dict
+            self._dicts = None
+            return [p if (p := (m._parameters.get(name) if (m := ref()) is not None else None)) is not None
+                    and p.requires_grad else None for ref, name in self._slots]
         try:
             if all(map(_REQUIRES_GRAD, got)):
                 return got
