@@ -573,6 +573,8 @@ def test_outputs_of_several_shapes_or_no_values_are_not_stacked():
     assert K.stack_alike([torch.empty(0, 8), torch.empty(0, 8)]) is None
     assert K.stack_alike([torch.ones(4, 8, dtype=torch.int64)] * 2) is None
     assert K.stack_alike([torch.randn(4, 8)]) is None  # one output: nothing to batch
+    assert K.stack_by_shape([torch.empty(4, 8, device="meta"), torch.empty(4, 7, device="meta")]) is None
+    assert K.stack_by_shape([torch.empty(0, 8), torch.randn(4, 7)]) is None
 
 
 class TurnsToInference(nn.Module):

@@ -699,6 +699,8 @@ def stack_by_shape(tensors: Sequence[torch.Tensor], last: Optional[Tuple[Tuple[i
     shape's tensors do not stack (or are not small CPU ones). ``last``: the positions of the
     stacks of the forward before, tried first (the same layout comes back every step; a stack
     proves its tensors' shapes, so a layout that changed is found out and made anew)."""
+    if not tensors or tensors[0].device.type != "cpu":  # no pass over an accelerator's outputs
+        return None
     if last is not None and sum(map(len, last)) == len(tensors):
         made = _stacks(tensors, last)
         if made is not None:
