@@ -87,17 +87,39 @@ def entries_of_an_ordinary_step(model: nn.Module) -> List[str]:
         mon.detach()
 
 
-def test_an_ordinary_step_enters_python_for_one_block_in_eight_and_a_few_times_per_step():
-    from gradmon.capture.forward import WAIT_TIMED
+def test_an_ordinary_step_enters_python_a_few_times_per_step_whatever_the_blocks():
     few = entries_of_an_ordinary_step(chain(10))
     many = entries_of_an_ordinary_step(chain(40))
-    # the other blocks' outputs are kept in their own forwards (BlockForward), entering no
-    # gradmon function; one block in WAIT_TIMED takes the hook's path, timed
-    assert WAIT_TIMED == 8
-    assert len(many) - len(few) == 40 // 8 - 10 // 8, (len(few), len(many))
-    assert many.count("block_hook") == 40 // 8, sorted(many)
+    # every block's output is kept in its own forward (BlockForward), entering no gradmon
+    # function, the timed ones (one in WAIT_TIMED) included
+    assert len(many) == len(few), (sorted(few), sorted(many))
+    assert "block_hook" not in many, sorted(many)
     # the root's three hooks, the backward's start and its two callbacks, the optimizer's two
-    assert len(many) - 40 // 8 == 8, sorted(set(many))
+    assert len(many) == 8, sorted(set(many))
+
+
+def test_one_block_in_eight_charges_its_check_to_gradmons_clock(attach, monkeypatch):
+    from gradmon.capture import modelhooks
+    from gradmon.capture.forward import WAIT_TIMED
+    assert WAIT_TIMED == 8
+    reads = []
+    real = modelhooks.perf_counter
+    monkeypatch.setattr(modelhooks, "perf_counter", lambda: reads.append(1) or real())
+    model = chain(20)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model, detail_every=100)
+    for _ in range(3):
+        sgd_step(model, opt, model)
+    assert not mon._recorder.detail_now
+    clock = mon._recorder.forward.clock
+    charged = []
+    seconds = type(clock).seconds  # the slot's descriptor: every charge to the clock seen
+    monkeypatch.setattr(type(clock), "seconds", property(seconds.__get__,
+                        lambda self, v: charged.append(v - seconds.__get__(self)) or seconds.__set__(self, v)))
+    reads.clear()
+    sgd_step(model, opt, model)
+    assert len(reads) == 2 * (20 // 8), reads  # blocks 8 and 16, a clock read before and after
+    assert any(s > 0 for s in charged), charged
 
 
 def test_layers_inside_a_block_cost_no_python_call_on_an_ordinary_step():
@@ -294,10 +316,10 @@ class Poisoned(nn.Module):
         return y * math.nan if self.poison else y
 
 
-@pytest.mark.parametrize("key", [5, 8], ids=["kept in its forward", "the timed hook's path"])
+@pytest.mark.parametrize("key", [5, 8], ids=["kept in its forward", "kept in its forward, timed"])
 def test_a_nan_of_an_ordinary_step_names_its_block_whichever_path_its_check_took(attach, key):
-    """Blocks settled by then keep their outputs in their own forwards (BlockForward), but
-    one in WAIT_TIMED (#8) takes its hook's path: both name the block on the very step."""
+    """Blocks settled by then keep their outputs in their own forwards (BlockForward), one
+    in WAIT_TIMED (#8) on gradmon's clock: both name the block on the very step."""
     torch.manual_seed(3)
     model = nn.Sequential(*(Poisoned() for _ in range(12)))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -42,9 +42,8 @@ def _recomputed_twice() -> bool:
 
 
 WAIT_TIMED = 8
-"""One block in this many (by key) takes its hook's path on ordinary steps too, timed for
-gradmon_overhead_seconds_total (the others keep their outputs in their forwards:
-``BlockForward``)."""
+"""One block in this many (by key) has its ordinary step's check timed, scaled, for
+gradmon_overhead_seconds_total (a clock read costs about as much as the check)."""
 
 
 class Forward:
@@ -222,6 +221,12 @@ class Forward:
         if timed:
             self._guard.seconds += WAIT_TIMED * (perf_counter() - t0)
         return waits
+
+    @property
+    def clock(self) -> Guards:
+        """gradmon's clock on the training thread (``seconds``), which the blocks' forwards
+        charge with their timed checks."""
+        return self._guard
 
     def _check_block(self, block: int, module: nn.Module, output: Any) -> None:
         self.ran = True

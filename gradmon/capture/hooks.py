@@ -446,10 +446,11 @@ class HookSet:
                     if layered and id(block) in index:
                         both[id(block)] = index[id(block)]
                     forward.keys[id(block)] = key
-                    # one block in WAIT_TIMED takes the hook's path (timed) on ordinary steps too
-                    lanes = None if id(block) in both or not key % WAIT_TIMED else forward
+                    # one block in WAIT_TIMED charges its inline test to gradmon's clock
+                    lanes = None if id(block) in both else forward
                     self._handles.append(BlockForward(
-                        block, forward.layer_block_hook if id(block) in both else forward.block_hook, key, lanes))
+                        block, forward.layer_block_hook if id(block) in both else forward.block_hook, key, lanes,
+                        0 if key % WAIT_TIMED else WAIT_TIMED))
             forward.layer_keys.update((id(layer.module), layer.index) for layer in layers)
             forward.traced = self._traced_slots(recorder, root, layers, blocks, f"{id(recorder):x}")
             if recorder.statistics_at(S.OUTPUT, S.OUTPUT_GRAD, S.LAYER):

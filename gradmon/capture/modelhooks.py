@@ -20,6 +20,7 @@ model's blocks.
 from __future__ import annotations
 
 import copy
+from time import perf_counter
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -64,12 +65,14 @@ class BlockForward:
     ``lanes.lane`` is a ``BlockChecks`` (inside a root's ordinary training forward, eager),
     the output of a block it has settled or holds (``key``) is kept there for the end of
     the forward: ``BlockChecks.wait``'s test, made inline (a call would cost as much as the
-    test). Anything else goes to ``check``, which decides again."""
+    test). Anything else goes to ``check``, which decides again. With ``timed``, that test
+    is charged to gradmon's clock (``lanes.clock.seconds``) times ``timed``: one block in
+    ``timed`` is timed, since a clock read costs about as much as the test."""
 
-    __slots__ = ("module", "inner", "check", "_before", "__wrapped__", "key", "lanes")
+    __slots__ = ("module", "inner", "check", "_before", "__wrapped__", "key", "lanes", "timed", "_clock")
 
     def __init__(self, module: nn.Module, check: Callable[[nn.Module, Any, Any], None], key: int = 0,
-                 lanes: Any = None) -> None:
+                 lanes: Any = None, timed: int = 0) -> None:
         self.module = module
         self._before = module.__dict__.get("forward")  # an instance forward it already had
         self.inner = module.forward
@@ -77,6 +80,8 @@ class BlockForward:
         self.check: Optional[Callable[[nn.Module, Any, Any], None]] = check
         self.key = key
         self.lanes = lanes
+        self.timed = timed
+        self._clock = lanes.clock if timed and lanes is not None else None
         module.forward = self  # an instance attribute: nn.Module's call finds it first
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -86,12 +91,15 @@ class BlockForward:
             return output
         # is_compiling() first: compiled, the lane is never read (no guard on it)
         if self.lanes is not None and not is_compiling():
+            t0 = perf_counter() if self.timed else 0.0
             lane = self.lanes.lane
             if (lane is not None and type(output) is torch.Tensor and self.module.training
                     and torch.is_grad_enabled()
                     and (self.key in lane.held or (self.key in lane.settled and output.numel() <= DEFER_MAX))):
                 try:
                     lane.waiting.append((self.key, output, output._version))
+                    if self.timed:
+                        self._clock.seconds += self.timed * (perf_counter() - t0)
                     return output
                 except Exception:  # noqa: BLE001 - an inference tensor has no version counter
                     pass  # the hook's path decides, guarded
@@ -101,7 +109,7 @@ class BlockForward:
     def remove(self) -> None:
         """The block's forward back as it was; where something else has since replaced it
         (and may call this one), this one only stops checking."""
-        self.check = self.lanes = None
+        self.check = self.lanes = self._clock = None
         if self.module.__dict__.get("forward") is self:
             if self._before is None:
                 del self.module.__dict__["forward"]
