@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from gradmon import metrics as M
 from gradmon import statistics as S
 from gradmon.aggregate.counters import Counters
@@ -63,6 +65,34 @@ def test_a_forward_kind_held_on_the_last_finite_step_is_no_origin():
     tracker = _tracker()
     _step(tracker, 1, forward=(mask, (ACT, 2, 0)))
     _step(tracker, 2, bad_grads=(3,), forward=(mask, nan))
+    assert dict((o.tensor, o.layer) for o in tracker.origins()) == {GRAD: "head", ACT: "block.1"}
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["one by one", "all at once"])
+def test_a_kind_is_forgotten_by_the_baseline_once_a_finite_step_records_its_key_finite(at_once):
+    mask, nan = (ACT, 1, S.NEG_INF_FLAG), (ACT, 2, S.NAN_FLAG)
+    tracker = _tracker()
+    _step(tracker, 1, forward=(mask,))  # block.0 held -Inf on a finite step: its baseline
+    tracker.start_step()  # a finite step whose block.0 is finite: the baseline forgets the -Inf
+    if at_once:
+        tracker.forward_finite(ACT, [0, 1, 2, 3])
+    else:
+        for key in (0, 1, 2, 3):
+            tracker.forward_values(ACT, key, 0)
+    tracker.end_step(False, 2)
+    _step(tracker, 3, bad_grads=(3,), forward=(mask, nan))  # now block.0's -Inf is new: it comes first
+    assert dict((o.tensor, o.layer) for o in tracker.origins()) == {GRAD: "head", ACT: "block.0"}
+
+
+def test_a_key_flagged_in_one_forward_of_a_step_keeps_its_kind_in_the_baseline_whatever_the_others():
+    mask, nan = (ACT, 1, S.NEG_INF_FLAG), (ACT, 2, S.NAN_FLAG)
+    tracker = _tracker()
+    tracker.start_step()  # two micro-batches: block.0 finite in one, -Inf in the other
+    tracker.forward_finite(ACT, [0, 1, 2, 3])
+    tracker.forward_values(*mask)
+    tracker.forward_finite(ACT, [0, 1, 2, 3])
+    tracker.end_step(True, 1)
+    _step(tracker, 2, bad_grads=(3,), forward=(mask, nan))  # block.0's -Inf is the baseline's
     assert dict((o.tensor, o.layer) for o in tracker.origins()) == {GRAD: "head", ACT: "block.1"}
 
 

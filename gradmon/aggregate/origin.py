@@ -8,8 +8,7 @@ step is non-finite everywhere, so only the first step can say where it began.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import repeat
-from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import metrics as M
 
@@ -64,14 +63,19 @@ class OriginTracker:
         self._in_grad_run = False
         # (tensor, key) -> non-finite kinds its forward values held on the last step whose
         # gradients were finite: a -Inf a float mask always carries is no step's origin.
+        # Only kinds are kept: a key missing held none.
         self._baseline: Dict[Tuple[str, int], int] = {}
         self._step_origin: Dict[str, int] = {}
-        self._flags: Dict[Tuple[str, int], int] = {}
+        self._flags: Dict[Tuple[str, int], int] = {}  # this step's non-finite kinds, by (tensor, key)
+        # this step's records found finite, as (tensor, keys): read only where the baseline
+        # holds a kind to forget, so a step of finite records costs nothing per key
+        self._finite: List[Tuple[str, Sequence[int]]] = []
         self._grads_bad = False
 
     def start_step(self) -> None:
         self._step_origin = {}
         self._flags = {}
+        self._finite = []
         self._grads_bad = False
 
     def forward_values(self, tensor: str, key: int, flags: int) -> None:
@@ -79,13 +83,23 @@ class OriginTracker:
         if flags:
             self._flags[(tensor, key)] = self._flags.get((tensor, key), 0) | flags
         else:
-            self._flags.setdefault((tensor, key), 0)
+            self._finite.append((tensor, (key,)))
 
     def forward_finite(self, tensor: str, keys: Sequence[int]) -> None:
         """:meth:`forward_values` of finite records of ``keys``, all at once."""
-        known = dict.fromkeys(zip(repeat(tensor), keys), 0)
-        known.update(self._flags)  # a key already flagged this step keeps its flags
-        self._flags = known
+        self._finite.append((tensor, keys))
+
+    def _settle_baseline(self) -> None:
+        """A step with finite gradients: its forward values' kinds are the baseline, for
+        every key it recorded (one flagged in any of the step's forwards keeps its kinds)."""
+        baseline = self._baseline
+        if baseline:
+            for tensor, keys in self._finite:
+                held = [key for t, key in baseline if t == tensor]
+                if held:
+                    for key in set(keys).intersection(held):
+                        del baseline[(tensor, key)]
+        baseline.update(self._flags)
 
     def bad_gradient(self, tensor: str, layer: int) -> None:
         """A gradient record held non-finite values: the first layer in backward order
@@ -100,7 +114,7 @@ class OriginTracker:
         forward flags become the baseline, a run's first step decides the origin, and a
         non-finite step is an incident."""
         if not self._grads_bad:
-            self._baseline.update(self._flags)
+            self._settle_baseline()
         elif not self._in_grad_run:
             self.origin = {tensor: (name, step) for tensor, name in self._step_origins().items()}
         self._in_grad_run = self._grads_bad
