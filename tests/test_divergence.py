@@ -61,7 +61,7 @@ def run(losses: List[float], norms: List[Optional[float]],
         spikes.new_step(step)
         spikes.observe(M.SIGNAL_LOSS, loss)
         if norm is not None:
-            spikes.observe_layers(LAYER, {0: norm})
+            spikes.observe_layers(LAYER, [0], [norm])
         watch.step(loss, spikes.this_step)
         since.append(spikes.steps_since().get(LAYER, -1))
         diverging.append(watch.diverging_steps)

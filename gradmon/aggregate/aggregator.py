@@ -206,7 +206,7 @@ class Aggregator:
             values = f.update_gauges(acc, baseline=self.spikes.steps > self.baseline_warmup)
             for gauge in stat.gauges:
                 if gauge.jump is not None:
-                    self.spikes.observe_layers(gauge.jump, dict(zip(acc, values[gauge])))
+                    self.spikes.observe_layers(gauge.jump, acc.keys(), values[gauge])
             for signal in f.events:
                 self.spikes.event(signal)
             f.events.clear()
@@ -257,17 +257,20 @@ class Aggregator:
         acc = f.accumulate(plan, section.numels, table) if f.keeps else {}
         origins = self.origins
         if f.lo >= 0:
-            extremes = table[:, [f.lo, f.hi]]
-            if bool(extremes.isfinite().all()):
+            # column sums, as the record-by-record fold's (a float64 sum of float32 extremes
+            # cannot overflow): advanced indexing would copy the columns first
+            if math.isfinite(table[:, f.lo].sum().item() + table[:, f.hi].sum().item()):
                 origins.forward_finite(stat.origin, plan.layers)  # type: ignore[arg-type]
             else:
-                for layer, (lo, hi) in zip(plan.of_record, extremes.tolist()):
+                for layer, (lo, hi) in zip(plan.of_record, table[:, [f.lo, f.hi]].tolist()):
                     origins.forward_values(stat.origin, layer, S.nonfinite_flags(lo, hi))  # type: ignore[arg-type]
         cells = self.counts.cells.get(stat.name)
         if cells is None:
             return acc, False
+        if table[:, f.nan].sum().item() + table[:, f.inf].sum().item() == 0:  # counts: none, nothing to find
+            return acc, False
         counts = table[:, [f.nan, f.inf]]
-        flagged = counts.ne(0).any(dim=1).nonzero().flatten().tolist()  # counts: work only for a non-finite record
+        flagged = counts.ne(0).any(dim=1).nonzero().flatten().tolist()
         for k, (nan, inf) in zip(flagged, counts[flagged].tolist()):
             layer = plan.of_record[k]
             if not stat.forward and stat.origin is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Collection, Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -153,10 +153,11 @@ class LayerBaselines:
     def restart(self) -> None:
         self._seen = [0.0] * len(self._seen)
 
-    def update_many(self, layers: Sequence[int], values: Sequence[float]) -> Optional[Verdict]:
+    def update_many(self, layers: Collection[int], values: Sequence[Optional[float]]) -> Optional[Verdict]:
         """One step's value of each of ``layers`` (distinct): the highest score among them
-        and whether any is a spike; None if none was scored. A non-finite or non-positive
-        value is skipped; a layer's first ``min_steps`` values enter its baseline unscored."""
+        and whether any is a spike; None if none was scored. A missing (None), non-finite or
+        non-positive value is skipped; a layer's first ``min_steps`` values enter its
+        baseline unscored."""
         top = max(layers, default=-1) + 1
         if top > len(self._seen):
             grow = [0.0] * (top - len(self._seen))
@@ -168,7 +169,7 @@ class LayerBaselines:
         best: Optional[float] = None
         spike = False
         for layer, value in zip(layers, values):
-            if not 0.0 < value < math.inf:  # NaN compares False
+            if value is None or not 0.0 < value < math.inf:  # NaN compares False
                 continue
             y = math.log(value)
             n = seen[layer]
@@ -265,13 +266,14 @@ class SpikeTracker:
             self._scores[signal] = judged
             self._count(signal, judged.spike)
 
-    def observe_layers(self, signal: str, values: Mapping[int, Optional[float]]) -> None:
-        """One step's value of each layer of a layer signal (a gradient norm per layer):
-        a spike step when any layer is a spike against its own baseline."""
-        layers = self.layers.get(signal)
-        if layers is None:
+    def observe_layers(self, signal: str, layers: Collection[int], values: Sequence[Optional[float]]) -> None:
+        """One step's value (None: none) of each of ``layers`` for a layer signal (a
+        gradient norm per layer): a spike step when any layer is a spike against its own
+        baseline."""
+        baselines = self.layers.get(signal)
+        if baselines is None:
             return
-        verdict = layers.update_many(values.keys(), [v if v is not None else math.nan for v in values.values()])
+        verdict = baselines.update_many(layers, values)
         if verdict is not None:
             self._scores[signal] = verdict.score
             self._count(signal, verdict.spike)
