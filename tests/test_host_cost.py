@@ -159,8 +159,9 @@ def test_the_block_checks_of_an_ordinary_forward_are_one_batched_call(attach, mo
     single.clear(), batched.clear()
     sgd_step(model, opt, model)
     assert not mon._recorder.detail_now
-    assert single == [torch.Size([4, 8])]  # the batch alone (block #0)
-    assert batched == [12]  # every block's output in one call; the root's output is the last block's
+    assert single == []  # nothing checked alone
+    # the batch (block #0) and every block's output in one call; the root's output is the last block's
+    assert batched == [13]
 
 
 class Deep(nn.Module):

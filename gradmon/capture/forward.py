@@ -148,10 +148,20 @@ class Forward:
                 self.collector.hold()
             self._rec.rows.start(module, args, kwargs)
             if self._block and training:
-                self._rec.record_values(S.BLOCK, 0, (args, kwargs))
+                self._record_input(args, kwargs)
         if training and self._rec.rows.hashing:
             with self._guard("forward"):  # apart: a failure here costs only the row hashes
                 self._rec.rows.hash_inputs(args, kwargs)
+
+    def _record_input(self, args: Any, kwargs: Any) -> None:
+        """The batch's values, block record 0: a lone small input tensor waits for the end
+        of an ordinary step's forward with the blocks' small outputs, on the same terms
+        (``BlockChecks.defer``); anything else is checked now (a large one, which the
+        caller keeps alive, would be weighed as held by autograd only where a layer saves it)."""
+        lane = self.lane
+        if lane is not None and not kwargs and len(args) == 1 and lane.plain(args[0]) and lane.defer(0, args[0]):
+            return
+        self._rec.record_values(S.BLOCK, 0, (args, kwargs))
 
     def on_root_exit(self, module: nn.Module, inputs: Any, output: Any) -> None:
         """The root's forward ended, returned or raised (``always_call``). A forward that
