@@ -166,12 +166,14 @@ class LayerBaselines:
             self._dev += grow
         seen, means, devs = self._seen, self._mean, self._dev
         alpha, min_steps, threshold, log_ratio = self.alpha, self.min_steps, self.threshold, self.log_ratio
-        best: Optional[float] = None
+        log, inf = math.log, math.inf
+        best = -1.0  # no score yet (a score is never below 0)
         spike = False
+        # max/min/abs as comparisons: a builtin's call per layer and step costs as much as the arithmetic
         for layer, value in zip(layers, values):
-            if value is None or not 0.0 < value < math.inf:  # NaN compares False
+            if value is None or not 0.0 < value < inf:  # NaN compares False
                 continue
-            y = math.log(value)
+            y = log(value)
             n = seen[layer]
             seen[layer] = n + 1.0
             if n == 0.0:
@@ -179,18 +181,29 @@ class LayerBaselines:
                 continue
             mean, dev = means[layer], devs[layer]
             # the first steps average plainly: an exponential weight on one value is no baseline
-            rate = max(alpha, 1.0 / (n + 1.0))
-            scale = max(MAD_TO_SIGMA * dev, LOG_FLOOR)
+            rate = 1.0 / (n + 1.0)
+            if alpha > rate:
+                rate = alpha
+            scale = MAD_TO_SIGMA * dev
+            if LOG_FLOOR > scale:
+                scale = LOG_FLOOR
             clipped = y
             if n >= min_steps:
-                score = max(0.0, (y - mean) / scale)
-                best = score if best is None or score > best else best
-                spike = spike or (score > threshold and y - mean >= log_ratio)
+                up = y - mean
+                score = up / scale if up > 0.0 else 0.0
+                if score > best:
+                    best = score
+                if score > threshold and up >= log_ratio:
+                    spike = True
                 edge = 3.0 * scale
-                clipped = min(max(y, mean - edge), mean + edge)
-            means[layer] = mean + rate * (clipped - mean)
-            devs[layer] = dev + rate * (abs(clipped - mean) - dev)
-        return None if best is None else Verdict(best, spike)
+                if mean - edge > clipped:
+                    clipped = mean - edge
+                if mean + edge < clipped:
+                    clipped = mean + edge
+            moved = clipped - mean
+            means[layer] = mean + rate * moved
+            devs[layer] = dev + rate * ((moved if moved >= 0.0 else -moved) - dev)
+        return None if best < 0.0 else Verdict(best, spike)
 
 
 class SpikeTracker:
