@@ -65,6 +65,38 @@ def test_a_nan_in_the_batch_on_a_non_detail_step_is_named_input(attach):
     assert found["grad"] == ("3.fc2", 4)  # the last layer: first in backward order
 
 
+class Doubling(nn.Module):
+    """Its first op saves nothing for the backward: a batch made under ``torch.inference_mode``
+    (a preprocessing step's) may enter its training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(*[Block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x * 2.0)
+
+
+def test_a_batch_made_in_inference_mode_is_checked_and_a_nan_in_it_named_input(attach):
+    model = Doubling()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model, detail_every=4)  # detail and ordinary steps alike
+
+    def batch(step):
+        x = torch.randn(4, 8)
+        if step == 9:
+            x[1, 2] = float("nan")
+        with torch.inference_mode():
+            return x.clone()
+
+    train(model, opt, 11, batch)
+    s = fresh(mon)
+    # an inference tensor has no version counter: reading it failed every step, uncounted checks
+    assert sum(mon._errors.counts().values()) == 0, mon._errors.counts()
+    assert origins(s)["block"] == ("input", 10), origins(s)
+
+
 def test_a_nan_made_inside_a_middle_block_names_it_and_five_poisoned_steps_keep_it(attach, caplog):
     model = blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -28,6 +28,16 @@ from .packet import RowBlock, RowHashes
 log = logging.getLogger("gradmon")
 
 
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s version counter; 0 for an inference tensor (a batch made under
+    ``torch.inference_mode``), which has none, and which no op outside inference mode, the
+    training forward's included, may change in place."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
+
+
 def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
     """Tensors inside a module output: tensors, tuples/lists (LSTM), dicts, dataclasses."""
     if isinstance(obj, torch.Tensor):
@@ -648,7 +658,7 @@ class StepRecords:
         model whose forward returns its last child's output (the logits: an LLM's largest
         tensor) would otherwise be read twice every step, as a block and as the root."""
         last = self._last.get(at)
-        if last is not None and last[0] is t and last[1] == t._version:
+        if last is not None and last[0] is t and last[1] == version_of(t):
             made = last[2]
         else:
             made = []
@@ -659,7 +669,7 @@ class StepRecords:
                     except Exception as exc:
                         self._errors.record(stage, exc)
             # one tensor held per moment, until the next record or the end of the pass
-            self._last[at] = (t, t._version, made)
+            self._last[at] = (t, version_of(t), made)
         for st, parts in made:
             self.by_name[st.name].add(key, t.numel(), parts)
 
@@ -680,7 +690,7 @@ class StepRecords:
         (see ``Statistic.derive``), or None where there is none."""
         source, pick = st.derive
         for tensor, version, made in self._last.values():
-            if tensor is t and version == t._version:
+            if tensor is t and version == version_of(t):
                 parts = next((parts for other, parts in made if other.name == source), None)
                 if parts is not None:
                     return pick(parts)
