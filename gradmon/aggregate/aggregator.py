@@ -257,8 +257,8 @@ class Aggregator:
         acc = f.accumulate(plan, section.numels, table) if f.keeps else {}
         origins = self.origins
         if f.lo >= 0:
-            # column sums, as the record-by-record fold's (a float64 sum of float32 extremes
-            # cannot overflow): advanced indexing would copy the columns first
+            # column sums, as the record-by-record fold's (finite values whose sum overflows
+            # only go the slow way): advanced indexing would copy the columns first
             if math.isfinite(table[:, f.lo].sum().item() + table[:, f.hi].sum().item()):
                 origins.forward_finite(stat.origin, plan.layers)  # type: ignore[arg-type]
             else:

@@ -94,11 +94,12 @@ class OriginTracker:
         every key it recorded (one flagged in any of the step's forwards keeps its kinds)."""
         baseline = self._baseline
         if baseline:
+            held: Dict[str, set] = {}
+            for tensor, key in baseline:
+                held.setdefault(tensor, set()).add(key)
             for tensor, keys in self._finite:
-                held = [key for t, key in baseline if t == tensor]
-                if held:
-                    for key in set(keys).intersection(held):
-                        del baseline[(tensor, key)]
+                for key in held.get(tensor, set()).intersection(keys):
+                    baseline.pop((tensor, key), None)
         baseline.update(self._flags)
 
     def bad_gradient(self, tensor: str, layer: int) -> None:
