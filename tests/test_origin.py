@@ -78,8 +78,21 @@ class Doubling(nn.Module):
         return self.body(x * 2.0)
 
 
-def test_a_batch_made_in_inference_mode_is_checked_and_a_nan_in_it_named_input(attach):
-    model = Doubling()
+class Twice(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+def identity_first() -> nn.Module:
+    """A top-level block that returns the batch itself (an inference tensor), then one that
+    saves nothing for the backward."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Identity(), Twice(), *[Block() for _ in range(3)])
+
+
+@pytest.mark.parametrize("make", [Doubling, identity_first], ids=["the root doubles it", "an identity block returns it"])
+def test_a_batch_made_in_inference_mode_is_checked_and_a_nan_in_it_named_input(attach, make):
+    model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = attach(model, detail_every=4)  # detail and ordinary steps alike
 

@@ -157,11 +157,9 @@ class Forward:
         """The batch's values, block record 0: a lone small input tensor waits for the end
         of an ordinary step's forward with the blocks' small outputs, on the same terms
         (``BlockChecks.defer``); anything else is checked now (a large one, which the
-        caller keeps alive, would be weighed as held by autograd only where a layer saves it;
-        an inference tensor has no version counter to tell an in-place change by)."""
+        caller keeps alive, would be weighed as held by autograd only where a layer saves it)."""
         lane = self.lane
-        if (lane is not None and not kwargs and len(args) == 1 and lane.plain(args[0])
-                and not args[0].is_inference() and lane.defer(0, args[0])):
+        if lane is not None and not kwargs and len(args) == 1 and lane.plain(args[0]) and lane.defer(0, args[0]):
             return
         self._rec.record_values(S.BLOCK, 0, (args, kwargs))
 

@@ -214,10 +214,12 @@ class BlockChecks:
 
     @staticmethod
     def plain(t: Any) -> bool:
-        """A tensor whose check may wait: a small dense floating-point torch.Tensor with values."""
+        """A tensor whose check may wait: a small dense floating-point torch.Tensor with values
+        and a version counter (an inference tensor, a batch made under ``inference_mode``
+        that a block returned unchanged, has none)."""
         # the size first: a large output (an accelerator's, checked in its hook) is told by it
         return (type(t) is torch.Tensor and not t.is_nested and 0 < t.numel() <= DEFER_MAX
-                and t.is_floating_point() and t.layout == torch.strided and not t.is_meta)
+                and t.is_floating_point() and t.layout == torch.strided and not t.is_meta and not t.is_inference())
 
     @staticmethod
     def heavy(t: Any) -> bool:
@@ -225,7 +227,7 @@ class BlockChecks:
         contiguous floating-point CUDA torch.Tensor, where the one-launch check serves."""
         return (type(t) is torch.Tensor and t.is_cuda and t.numel() > DEFER_MAX and not t.is_nested
                 and t.is_floating_point() and t.layout == torch.strided and t.is_contiguous()
-                and counting.available())
+                and not t.is_inference() and counting.available())
 
     def defer(self, key: int, t: Any) -> bool:
         """Keep ``t`` for the end of the forward; False when its hook must check it now: it
