@@ -139,14 +139,15 @@ def test_compiled_nan_origin_names_the_same_block_on_the_step(runs):
 
 def test_detail_statistics_are_computed_only_in_the_gated_branch(runs):
     """Outside a branch the compiled forward reduces each block's output (min/max, every
-    step); the norms and counts of the layers' outputs are inside one branch per layer,
-    which the host's gate skips on ordinary steps."""
+    step); the norms and counts of the layers' outputs are inside one branch per top-level
+    block (``body``'s two layers share one, made where ``body`` returns), which the host's
+    gate skips on ordinary steps."""
     seen = runs[0]
     forward = next(c for c in seen["code"] if "torch.ops.cond" in c)
     body = forward[forward.index("    def call(self, args):"):]
     top = [line.strip() for line in body.splitlines() if line.startswith(" " * 8 + "cpp_fused")]
     gated = [line for line in body.splitlines() if line.startswith(" " * 8 + "if ") and ".item():" in line]
-    assert len(gated) == 4  # inp, body.1, body.3, head
+    assert len(gated) == 3  # inp, body (body.1 and body.3), head
     assert any("aminmax" in k for k in top), top
     assert not [k for k in top if "vector_norm" in k or "isnan" in k or "isinf" in k], top
     assert "linalg_vector_norm" in forward and "isnan" in forward  # made, inside the branches
@@ -185,6 +186,65 @@ def test_a_twin_compiled_first_without_gradmon_does_not_serve_the_monitored_one(
               [torch.randn(2, 4)], mon)
     assert "another instance of its class was compiled without gradmon" not in caplog.text
     assert set(family(scrape(mon.url), "gradmon_activation_rms", "twin")) == {"0", "2"}
+    torch._dynamo.reset()
+
+
+class TwoLayers(nn.Module):
+    """A block of two layers, whose forward breaks the graph between them where ``broken``."""
+
+    def __init__(self, broken: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 8)
+        self.broken = broken
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        if self.broken:
+            torch._dynamo.graph_break()
+        return self.b(x)
+
+
+@pytest.mark.parametrize("where", ["block", "layer", "eval"])
+def test_layers_whose_branch_waits_for_their_block_are_recorded_across_regions(attach, where):
+    """A block's layers share one branch made where the block returns; the layers of a
+    block split by a graph break (``block``), compiled apart from their block (``layer``),
+    or training inside a block and a model in eval mode (``eval``: no block record comes,
+    the host makes what waits) are still recorded on detail steps, as eager, and compiled
+    once."""
+    torch._dynamo.reset()
+
+    def make():
+        torch.manual_seed(0)
+        net = nn.Sequential(TwoLayers(broken=where == "block"), nn.Linear(8, 2))
+        if where == "eval":
+            net.eval()
+            net[0].a.train()
+            net[0].b.train()
+        return net
+    net, twin = make(), make()
+    mon = attach(net, name="split", detail_every=2, incident_dir="")
+    mon_e = attach(twin, name="plain", detail_every=2, incident_dir="")
+    if where == "block":
+        forward = torch.compile(net, backend="eager")
+    elif where == "eval":
+        forward = torch.compile(net, backend="eager", fullgraph=True)
+    else:
+        for layer in (net[0].a, net[0].b):
+            layer.compile(backend="eager")
+        forward = net
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(3, 4, generator=g) * (1 + i) for i in range(7)]
+    train(forward, torch.optim.SGD(net.parameters(), lr=0.0), batches[:2], mon)
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        train(forward, torch.optim.SGD(net.parameters(), lr=0.0), batches[2:], mon)
+    assert dict(counters["recompiles"]) == {}
+    train(twin, torch.optim.SGD(twin.parameters(), lr=0.0), batches, mon_e)
+    got, want = scrape(mon.url), scrape(mon_e.url)
+    for name in ("gradmon_activation_rms", "gradmon_activation_abs_max"):
+        assert set(family(got, name, "split")) == ({"0.a", "0.b"} if where == "eval" else {"0.a", "0.b", "1"}), name
+        assert family(got, name, "split") == pytest.approx(family(want, name, "plain"), rel=1e-6), name
+    assert sum(mon._errors.counts().values()) == 0
     torch._dynamo.reset()
 
 

@@ -16,6 +16,16 @@ Inductor reads a branch's predicate on the host, and a CPU one costs no device s
 region replayed as CUDA graphs cannot hold a branch: there the detail statistics are made
 on every step (:func:`_replayed_as_graphs`).
 
+A branch is a fence in the graph: its operands must exist as buffers, kernels on its two
+sides do not fuse, and the partitioner changes what it saves for the backward (a branch
+after each layer of a transformer block had the forward compute GELU's derivative). So the
+layers of one top-level block share one branch, made where the block returns (at the
+block's record), and the kernels inside a block are fused as they would be unmonitored.
+Where there is no block record (no block statistic), or the block is not traced with its
+layers, each layer has its own branch, made at once: outputs kept longer would hold
+memory Inductor reuses, and a list left waiting between compiled regions would be
+guarded on.
+
 Records are stored as an attribute of the module the hook ran on: a store of a value the
 compiled code never reads is replayed after the graph runs and guarded on nothing, and it
 names no layer index, so the identical blocks of a model compiled block by block share one
@@ -31,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -39,6 +49,7 @@ from torch import nn
 from .. import statistics as S
 from ..statistics import Statistic
 from .layers import is_floating
+from .modelhooks import BlockForward
 from .records import StepRecords, iter_tensors
 
 log = logging.getLogger("gradmon")
@@ -76,6 +87,9 @@ class TracedSlots:
         self._armed = True  # what the gate holds: written only when it changes (a step's fixed cost)
         self._slots: List[Tuple["weakref.ref[nn.Module]", str, int]] = []  # (module, its attribute, key)
         self._told = False  # the warning that the layers' hooks were compiled out
+        # the layers' records whose detail statistics wait for their block's branch: each
+        # layer call's module and its records, and the detail statistics still to make
+        self._waiting: List[Tuple[nn.Module, _Made, List[_Detail]]] = []
 
     def watch(self, module: nn.Module, kind: str, key: int) -> None:
         """At attach: ``module``'s ``kind`` hook records under ``key``."""
@@ -93,14 +107,42 @@ class TracedSlots:
             self._armed = detail
 
     def record(self, module: nn.Module, kind: str, values: Any) -> None:
-        """Traced: the records of ``values`` made at a ``kind`` hook, left on ``module``."""
-        setattr(module, self._attr[kind], _records(self._stats[kind], values, self._gate))
+        """Traced: the records of ``values`` made at a ``kind`` hook, left on ``module``. A
+        layer's detail statistics wait for the next block or root record, where one branch
+        makes those of every layer waiting: where there are block records and the layer ran
+        inside a top-level block traced in the same region (a layer compiled by itself
+        makes its own)."""
+        made, detail = _records(self._stats[kind], values)
+        if kind == LAYER and detail and self._stats[BLOCK] and _inside_a_block() and not _replayed_as_graphs():
+            self._waiting.append((module, made, detail))
+            return
+        if kind != LAYER:
+            self._settle(self._gate)
+        _on_detail_steps(detail, self._gate)
+        setattr(module, self._attr[kind], made)
+
+    def _settle(self, gate: Optional[torch.Tensor]) -> None:
+        """The waiting layers' detail statistics, made in one branch on ``gate`` (traced),
+        or on the host at once where ``gate`` is None (a detail step's records that a
+        compiled region left waiting, the next record being outside it); their records
+        left on their modules."""
+        if not self._waiting:
+            return
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        _on_detail_steps([entry for _, _, detail in waiting for entry in detail], gate)
+        for module, made, _ in waiting:
+            setattr(module, self._attr[LAYER], made)
 
     def take(self, records: StepRecords, detail: bool) -> bool:
         """Host: every record a compiled hook left, into ``records`` (pending, committed
         like the eager hooks' own), the detail statistics' only on a detail step; each is
         taken once. Whether there was any. Records are folded in key order here; the
         origin is decided by key, not by arrival."""
+        if self._waiting:  # a compiled region that ended between a layer and its block
+            if detail:
+                self._settle(None)
+            self._waiting.clear()
         filled, layers = False, False
         for ref, attr, key in self._slots:
             module = ref()
@@ -121,48 +163,82 @@ class TracedSlots:
 
 
 _Made = Tuple[Tuple[int, Dict[str, Tuple[torch.Tensor, ...]]], ...]  # each tensor's (numel, records by name)
+# detail statistics still to make of one tensor, and the records (by name) they go into
+_Detail = Tuple[Sequence[Statistic], torch.Tensor, Dict[str, Tuple[torch.Tensor, ...]]]
 
 
-def _records(statistics: Sequence[Statistic], values: Any, gate: torch.Tensor) -> _Made:
+def _records(statistics: Sequence[Statistic], values: Any) -> Tuple[_Made, List[_Detail]]:
     """Each statistic's record of each floating-point tensor among ``values``, as the
-    eager hooks make them (``Statistic.record``: the kernels take their compiled branch);
-    the detail statistics' only where ``gate`` holds True (:func:`_on_detail_steps`)."""
-    made = []
+    eager hooks make them (``Statistic.record``: the kernels take their compiled branch),
+    and the detail statistics left to make (:func:`_on_detail_steps`)."""
+    made, detail = [], []
     for t in iter_tensors(values):
         if not is_floating(t) or t.numel() == 0:
             continue
         x = t.detach()
         wanted = [st for st in statistics if st.dtypes is None or t.dtype in st.dtypes]
         by_name = {st.name: tuple(st.record(x)) for st in wanted if not st.detail}
-        by_name.update(_on_detail_steps([st for st in wanted if st.detail], x, gate))
+        later = [st for st in wanted if st.detail]
+        if later:
+            detail.append((later, x, by_name))
         made.append((t.numel(), by_name))
-    return tuple(made)
+    return tuple(made), detail
 
 
-def _on_detail_steps(statistics: Sequence[Statistic], x: torch.Tensor, gate: torch.Tensor
-                     ) -> Dict[str, Tuple[torch.Tensor, ...]]:
-    """The records of ``statistics`` of ``x`` made in one branch taken where ``gate`` holds
-    True, tensors of the same shapes left unwritten otherwise (the host drops them). The branches must agree
-    on their outputs' shapes and dtypes: read from a call made at trace time whose results
-    nothing uses, so the compiler drops its work (tests/test_compile.py checks that the
-    generated code reduces nothing outside the branch)."""
-    if not statistics:
-        return {}
+def _on_detail_steps(detail: Sequence[_Detail], gate: Optional[torch.Tensor]) -> None:
+    """Each entry's statistics of its tensor, into its records by name, all made in one
+    branch taken where ``gate`` holds True, tensors of the same shapes left unwritten
+    otherwise (the host drops them); made at once where ``gate`` is None or the region is
+    replayed as CUDA graphs. The branches must agree on their outputs' shapes
+    and dtypes: read from a call made at trace time whose results nothing uses, so the
+    compiler drops its work (tests/test_compile.py checks that the generated code reduces
+    nothing outside the branch)."""
+    if not detail:
+        return
 
-    def made(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        return tuple(part for st in statistics for part in st.record(x))
+    def each(xs: Sequence[torch.Tensor]) -> List[List[Tuple[torch.Tensor, ...]]]:
+        return [[tuple(st.record(x)) for st in statistics] for (statistics, _, _), x in zip(detail, xs)]
 
-    # plain tuples: a torch.Size of symbolic sizes (dynamic shapes) cannot enter a branch
-    like = [[(tuple(part.shape), part.dtype) for part in st.record(x)] for st in statistics]
+    def made(*xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return tuple(part for records in each(xs) for record in records for part in record)
 
-    def blank(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        # never read (the gate and the host's detail flag are set together, and the host takes
-        # detail records on detail steps only): left unwritten, where zeros would cost a kernel
-        # per layer on every ordinary step
-        return tuple(x.new_empty(shape, dtype=dtype) for parts in like for shape, dtype in parts)
+    xs = tuple(x for _, x, _ in detail)
+    shaped = each(xs)  # outside a branch: the records themselves, or their shapes' pattern
+    if gate is not None and not _replayed_as_graphs():
+        # plain tuples: a torch.Size of symbolic sizes (dynamic shapes) cannot enter a branch
+        like = [(tuple(part.shape), part.dtype) for records in shaped for record in records for part in record]
 
-    flat = iter(made(x) if _replayed_as_graphs() else torch.cond(gate, made, blank, (x,)))
-    return {st.name: tuple(next(flat) for _ in parts) for st, parts in zip(statistics, like)}
+        def blank(*xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+            # never read (the gate and the host's detail flag are set together, and the host
+            # takes detail records on detail steps only): left unwritten, where zeros would
+            # cost a kernel per layer on every ordinary step
+            return tuple(xs[0].new_empty(shape, dtype=dtype) for shape, dtype in like)
+
+        flat = iter(torch.cond(gate, made, blank, xs))
+        shaped = [[tuple(next(flat) for _ in record) for record in records] for records in shaped]
+    for (statistics, _, by_name), records in zip(detail, shaped):
+        by_name.update((st.name, record) for st, record in zip(statistics, records))
+
+
+_BLOCK_CALL = BlockForward.__call__.__code__
+_BLOCK_LINES = frozenset(line for _, _, line in _BLOCK_CALL.co_lines() if line is not None)
+
+
+@torch._dynamo.assume_constant_result
+def _inside_a_block() -> bool:
+    """Run at trace time, its answer a constant (no guard): whether the code being traced
+    runs inside a top-level block's forward (:class:`BlockForward`), so that the block's
+    record follows in the same compiled region and settles the layers waiting. Where the
+    layer is compiled by itself, a list left waiting between regions would be guarded on
+    at the next one's entry, and compile it again. Read from dynamo's stack of traced
+    frames; where it is not as expected, each layer makes its own branch."""
+    try:
+        from torch._guards import TracingContext
+
+        return any(frame.filename == _BLOCK_CALL.co_filename and frame.lineno in _BLOCK_LINES
+                   for frame in TracingContext.extract_stack())
+    except Exception:  # noqa: BLE001 - internals moved: a branch per layer, as before
+        return False
 
 
 @torch._dynamo.assume_constant_result
