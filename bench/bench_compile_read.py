@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 import gradmon
 from gradmon import statistics as S
-from gradmon.capture.traced import _records
+from gradmon.capture.traced import _on_detail_steps, _records
 
 
 def main(argv: List[str] = None) -> int:
@@ -55,7 +55,9 @@ def main(argv: List[str] = None) -> int:
     def recorded(act: Callable) -> Callable:
         def f(x, w):
             y = act(x @ w)
-            return y, _records(stats, y, gate)
+            made, detail = _records(stats, y)
+            _on_detail_steps(detail, gate)
+            return y, made
         return torch.compile(f, fullgraph=True)
 
     ident = lambda y: y  # noqa: E731

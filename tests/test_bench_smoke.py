@@ -90,3 +90,12 @@ def test_the_collector_benchmark_prints_both_copies_collections_and_time():
     for copy, cells in rows.items():
         step_ms, young, middle, full, collector_ms = map(float, cells[:5])
         assert step_ms > 0 and young >= 0 and full >= 0 and collector_ms >= 0, (copy, cells)
+
+
+def test_the_compiled_record_benchmark_times_a_record_after_both_producers():
+    """It builds its records with ``capture/traced.py``'s own functions: a change of theirs
+    that the benchmark did not follow fails here, not when someone next measures."""
+    r = subprocess.run([sys.executable, str(BENCH.parent / "bench_compile_read.py"), "--quick", "--threads", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "record after matmul " in r.stdout and "record after matmul+gelu" in r.stdout, r.stdout
