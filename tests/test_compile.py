@@ -204,9 +204,10 @@ class TwoLayers(nn.Module):
         return self.b(x)
 
 
-@pytest.mark.parametrize("where", ["block", "layer", "eval"])
+@pytest.mark.parametrize("where", ["blocks", "block", "layer", "eval"])
 def test_layers_whose_branch_waits_for_their_block_are_recorded_across_regions(attach, where):
-    """A block's layers share one branch made where the block returns; the layers of a
+    """A block's layers share one branch made where the block returns, also where each
+    top-level block is compiled by itself (``blocks``, torchtitan's way); the layers of a
     block split by a graph break (``block``), compiled apart from their block (``layer``),
     or training inside a block and a model in eval mode (``eval``: no block record comes,
     the host makes what waits) are still recorded on detail steps, as eager, and compiled
@@ -228,6 +229,10 @@ def test_layers_whose_branch_waits_for_their_block_are_recorded_across_regions(a
         forward = torch.compile(net, backend="eager")
     elif where == "eval":
         forward = torch.compile(net, backend="eager", fullgraph=True)
+    elif where == "blocks":
+        for block in net:
+            block.compile(backend="eager", fullgraph=True)
+        forward = net
     else:
         for layer in (net[0].a, net[0].b):
             layer.compile(backend="eager")
