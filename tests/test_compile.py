@@ -150,6 +150,7 @@ def test_detail_statistics_are_computed_only_in_the_gated_branch(runs):
     assert len(gated) == 3  # inp, body (body.1 and body.3), head
     assert any("aminmax" in k for k in top), top
     assert not [k for k in top if "vector_norm" in k or "isnan" in k or "isinf" in k], top
+    assert not [k for k in top if "clone" in k], top  # the layers' outputs enter the branch uncopied
     assert "linalg_vector_norm" in forward and "isnan" in forward  # made, inside the branches
     # the branches not taken return tensors left unwritten: no kernel on an ordinary step
     blanks = [re.split(r"\n(?=\S)", part, maxsplit=1)[0] for part in forward.split("\ndef false_graph_")[1:]]
@@ -190,33 +191,36 @@ def test_a_twin_compiled_first_without_gradmon_does_not_serve_the_monitored_one(
 
 
 class TwoLayers(nn.Module):
-    """A block of two layers, whose forward breaks the graph between them where ``broken``."""
+    """A block of two layers, whose forward breaks the graph between them where ``broken``,
+    and changes the first one's output in place where ``inplace``."""
 
-    def __init__(self, broken: bool) -> None:
+    def __init__(self, broken: bool = False, inplace: bool = False) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 8)
-        self.broken = broken
+        self.broken, self.inplace = broken, inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.a(x))
+        x = self.a(x)
+        x = x.relu_() if self.inplace else torch.tanh(x)
         if self.broken:
             torch._dynamo.graph_break()
         return self.b(x)
 
 
-@pytest.mark.parametrize("where", ["blocks", "block", "layer", "eval"])
+@pytest.mark.parametrize("where", ["blocks", "inplace", "block", "layer", "eval"])
 def test_layers_whose_branch_waits_for_their_block_are_recorded_across_regions(attach, where):
     """A block's layers share one branch made where the block returns, also where each
-    top-level block is compiled by itself (``blocks``, torchtitan's way); the layers of a
-    block split by a graph break (``block``), compiled apart from their block (``layer``),
-    or training inside a block and a model in eval mode (``eval``: no block record comes,
-    the host makes what waits) are still recorded on detail steps, as eager, and compiled
-    once."""
+    top-level block is compiled by itself (``blocks``, torchtitan's way), and a layer's
+    output that the block then changes in place is recorded as the layer returned it
+    (``inplace``, compiled by Inductor); the layers of a block split by a graph break
+    (``block``), compiled apart from their block (``layer``), or training inside a block and
+    a model in eval mode (``eval``: no block record comes, the host makes what waits) are
+    still recorded on detail steps, as eager, and compiled once."""
     torch._dynamo.reset()
 
     def make():
         torch.manual_seed(0)
-        net = nn.Sequential(TwoLayers(broken=where == "block"), nn.Linear(8, 2))
+        net = nn.Sequential(TwoLayers(broken=where == "block", inplace=where == "inplace"), nn.Linear(8, 2))
         if where == "eval":
             net.eval()
             net[0].a.train()
@@ -229,6 +233,8 @@ def test_layers_whose_branch_waits_for_their_block_are_recorded_across_regions(a
         forward = torch.compile(net, backend="eager")
     elif where == "eval":
         forward = torch.compile(net, backend="eager", fullgraph=True)
+    elif where == "inplace":
+        forward = torch.compile(net, fullgraph=True)
     elif where == "blocks":
         for block in net:
             block.compile(backend="eager", fullgraph=True)

@@ -114,7 +114,11 @@ class TracedSlots:
         makes its own)."""
         made, detail = _records(self._stats[kind], values)
         if kind == LAYER and detail and self._stats[BLOCK] and _inside_a_block() and not _replayed_as_graphs():
-            self._waiting.append((module, made, detail))
+            # a clone, not the output itself: what the block later does to the output in place
+            # (a ReLU(inplace=True) after the layer) would show through an alias when the branch
+            # reads it; in the compiled graph the clone is the output's value as the layer
+            # returned it, and Inductor drops a clone of a tensor of the same layout as a no-op
+            self._waiting.append((module, made, [(sts, x.clone(), by_name) for sts, x, by_name in detail]))
             return
         if kind != LAYER:
             self._settle(self._gate)
