@@ -259,6 +259,33 @@ def test_layers_whose_branch_waits_for_their_block_are_recorded_across_regions(a
     torch._dynamo.reset()
 
 
+def test_a_layer_left_waiting_at_a_regions_end_names_the_origin_on_an_ordinary_step(attach):
+    """A model in eval mode whose block's layers train: no block record settles what the
+    layers left waiting, and the host takes it. On an ordinary step the every-step layer
+    records (``origin_per_layer``) still come, so the NaN's layer is named, as eager names it."""
+    torch._dynamo.reset()
+
+    def make():
+        torch.manual_seed(0)
+        net = nn.Sequential(TwoLayers(), nn.Linear(8, 2)).eval()
+        net[0].a.train()
+        net[0].b.train()
+        return net
+    nets = make(), make()
+    forwards = torch.compile(nets[0], backend="eager", fullgraph=True), nets[1]
+    found = []
+    for name, net, forward in zip(("waits", "eager"), nets, forwards):
+        mon = attach(net, name=name, detail_every=100, origin_per_layer=True, incident_dir="")
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)
+        train(forward, opt, [torch.randn(3, 4)] * 3, mon)
+        with torch.no_grad():
+            net[0].b.weight[0, 0] = math.nan
+        train(forward, opt, [torch.randn(3, 4)], mon)
+        found.append({o.tensor: (o.layer, o.step) for o in mon.snapshot().nonfinite_origin})
+    assert found[0].get("activation") == found[1].get("activation") == ("0.b", 4), found
+    torch._dynamo.reset()
+
+
 class KeepingBackend:
     """A dynamo backend that runs the graphs it is given as they are and keeps them; its
     ``config`` stands for the options Inductor's wrapper carries for a compile mode."""

@@ -125,16 +125,17 @@ class TracedSlots:
         _on_detail_steps(detail, self._gate)
         setattr(module, self._attr[kind], made)
 
-    def _settle(self, gate: Optional[torch.Tensor]) -> None:
+    def _settle(self, gate: Optional[torch.Tensor], detail: bool = True) -> None:
         """The waiting layers' detail statistics, made in one branch on ``gate`` (traced),
-        or on the host at once where ``gate`` is None (a detail step's records that a
-        compiled region left waiting, the next record being outside it); their records
-        left on their modules."""
+        or on the host at once where ``gate`` is None (what a compiled region left waiting,
+        the next record being outside it: made on a detail step only, ``detail``); their
+        records left on their modules."""
         if not self._waiting:
             return
         waiting = list(self._waiting)
         self._waiting.clear()
-        _on_detail_steps([entry for _, _, detail in waiting for entry in detail], gate)
+        if detail:
+            _on_detail_steps([entry for _, _, entries in waiting for entry in entries], gate)
         for module, made, _ in waiting:
             setattr(module, self._attr[LAYER], made)
 
@@ -143,10 +144,7 @@ class TracedSlots:
         like the eager hooks' own), the detail statistics' only on a detail step; each is
         taken once. Whether there was any. Records are folded in key order here; the
         origin is decided by key, not by arrival."""
-        if self._waiting:  # a compiled region that ended between a layer and its block
-            if detail:
-                self._settle(None)
-            self._waiting.clear()
+        self._settle(None, detail)  # a compiled region that ended between a layer and its block
         filled, layers = False, False
         for ref, attr, key in self._slots:
             module = ref()
