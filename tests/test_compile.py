@@ -286,6 +286,27 @@ def test_a_layer_left_waiting_at_a_regions_end_names_the_origin_on_an_ordinary_s
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("poisoned", ["inp", "head"])
+def test_a_block_that_is_also_a_layer_names_the_origin_under_compile(attach, poisoned):
+    """A top-level block that is also a layer leaves two records a forward (the layer's and
+    the block's, on one module): both come back from the compiled region, so a NaN made by
+    such a block is blamed on it on the step, as eager blames it."""
+    torch._dynamo.reset()
+    nets = model(), model()
+    forwards = torch.compile(nets[0], backend="eager", fullgraph=True), nets[1]
+    found = []
+    for name, net, forward in zip(("compiled", "eager"), nets, forwards):
+        mon = attach(net, name=name, detail_every=100, incident_dir="")
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)
+        train(forward, opt, [torch.randn(8, 6)] * 2, mon)
+        with torch.no_grad():
+            getattr(net, poisoned).weight[0, 0] = math.nan
+        train(forward, opt, [torch.randn(8, 6)], mon)
+        found.append({o.tensor: (o.layer, o.step) for o in mon.snapshot().nonfinite_origin})
+    assert found[0].get("block") == found[1].get("block") == (poisoned, 3), found
+    torch._dynamo.reset()
+
+
 class KeepingBackend:
     """A dynamo backend that runs the graphs it is given as they are and keeps them; its
     ``config`` stands for the options Inductor's wrapper carries for a compile mode."""
