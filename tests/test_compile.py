@@ -207,6 +207,34 @@ class TwoLayers(nn.Module):
         return self.b(x)
 
 
+def two_layers(broken: bool = False, inplace: bool = False, eval_mode: bool = False) -> nn.Module:
+    """A ``TwoLayers`` block and a head; with ``eval_mode`` the model is in eval mode and the
+    block's two layers train."""
+    torch.manual_seed(0)
+    net = nn.Sequential(TwoLayers(broken, inplace), nn.Linear(8, 2))
+    if eval_mode:
+        net.eval()
+        net[0].a.train()
+        net[0].b.train()
+    return net
+
+
+def origins_after_a_nan(attach, nets, forwards, poisoned, batch, **options):
+    """Each of ``nets`` (run by its ``forwards``, monitored as ``options`` say) trained two
+    finite steps, then one with a NaN put in the weight ``poisoned(net)`` names: the origin
+    each monitor names, by tensor, as (layer, step)."""
+    found = []
+    for i, (net, forward) in enumerate(zip(nets, forwards)):
+        mon = attach(net, name=f"net{i}", incident_dir="", **options)
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)
+        train(forward, opt, [torch.randn(*batch)] * 2, mon)
+        with torch.no_grad():
+            poisoned(net)[0, 0] = math.nan
+        train(forward, opt, [torch.randn(*batch)], mon)
+        found.append({o.tensor: (o.layer, o.step) for o in mon.snapshot().nonfinite_origin})
+    return found
+
+
 @pytest.mark.parametrize("where", ["blocks", "inplace", "block", "layer", "eval"])
 def test_layers_whose_branch_waits_for_their_block_are_recorded_across_regions(attach, where):
     """A block's layers share one branch made where the block returns, also where each
@@ -218,15 +246,7 @@ def test_layers_whose_branch_waits_for_their_block_are_recorded_across_regions(a
     still recorded on detail steps, as eager, and compiled once."""
     torch._dynamo.reset()
 
-    def make():
-        torch.manual_seed(0)
-        net = nn.Sequential(TwoLayers(broken=where == "block", inplace=where == "inplace"), nn.Linear(8, 2))
-        if where == "eval":
-            net.eval()
-            net[0].a.train()
-            net[0].b.train()
-        return net
-    net, twin = make(), make()
+    net, twin = (two_layers(where == "block", where == "inplace", where == "eval") for _ in range(2))
     mon = attach(net, name="split", detail_every=2, incident_dir="")
     mon_e = attach(twin, name="plain", detail_every=2, incident_dir="")
     if where == "block":
@@ -264,25 +284,11 @@ def test_a_layer_left_waiting_at_a_regions_end_names_the_origin_on_an_ordinary_s
     layers left waiting, and the host takes it. On an ordinary step the every-step layer
     records (``origin_per_layer``) still come, so the NaN's layer is named, as eager names it."""
     torch._dynamo.reset()
-
-    def make():
-        torch.manual_seed(0)
-        net = nn.Sequential(TwoLayers(), nn.Linear(8, 2)).eval()
-        net[0].a.train()
-        net[0].b.train()
-        return net
-    nets = make(), make()
+    nets = two_layers(eval_mode=True), two_layers(eval_mode=True)
     forwards = torch.compile(nets[0], backend="eager", fullgraph=True), nets[1]
-    found = []
-    for name, net, forward in zip(("waits", "eager"), nets, forwards):
-        mon = attach(net, name=name, detail_every=100, origin_per_layer=True, incident_dir="")
-        opt = torch.optim.SGD(net.parameters(), lr=0.0)
-        train(forward, opt, [torch.randn(3, 4)] * 3, mon)
-        with torch.no_grad():
-            net[0].b.weight[0, 0] = math.nan
-        train(forward, opt, [torch.randn(3, 4)], mon)
-        found.append({o.tensor: (o.layer, o.step) for o in mon.snapshot().nonfinite_origin})
-    assert found[0].get("activation") == found[1].get("activation") == ("0.b", 4), found
+    found = origins_after_a_nan(attach, nets, forwards, lambda net: net[0].b.weight, (3, 4),
+                                detail_every=100, origin_per_layer=True)
+    assert found[0].get("activation") == found[1].get("activation") == ("0.b", 3), found
     torch._dynamo.reset()
 
 
@@ -294,15 +300,8 @@ def test_a_block_that_is_also_a_layer_names_the_origin_under_compile(attach, poi
     torch._dynamo.reset()
     nets = model(), model()
     forwards = torch.compile(nets[0], backend="eager", fullgraph=True), nets[1]
-    found = []
-    for name, net, forward in zip(("compiled", "eager"), nets, forwards):
-        mon = attach(net, name=name, detail_every=100, incident_dir="")
-        opt = torch.optim.SGD(net.parameters(), lr=0.0)
-        train(forward, opt, [torch.randn(8, 6)] * 2, mon)
-        with torch.no_grad():
-            getattr(net, poisoned).weight[0, 0] = math.nan
-        train(forward, opt, [torch.randn(8, 6)], mon)
-        found.append({o.tensor: (o.layer, o.step) for o in mon.snapshot().nonfinite_origin})
+    found = origins_after_a_nan(attach, nets, forwards, lambda net: getattr(net, poisoned).weight, (8, 6),
+                                detail_every=100)
     assert found[0].get("block") == found[1].get("block") == (poisoned, 3), found
     torch._dynamo.reset()
 
