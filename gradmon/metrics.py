@@ -347,6 +347,13 @@ STEPS_SINCE_SPIKE = _spec("steps_since_spike", "gauge", ("signal",),
                           "any step rate.",
                           doc="Optimizer steps since the signal's last spike step (0: the last step); absent "
                               "until its first spike")
+STEPS_SINCE_SPIKE_BURST = _spec(
+    "steps_since_spike_burst", "gauge", ("signal",),
+    "Optimizer steps since the signal's last burst of spikes: a spike step with at least spike_burst (3) spike steps "
+    "of the signal within the last spike_hold_steps (20) steps; absent until the first. What the spike warnings read: "
+    "a lone spike is counted (gradmon_spike_steps_total) but does not warn.",
+    doc="Optimizer steps since the signal's last burst of spikes (3 spike steps within 20 steps; 0: the last step); "
+        "absent until the first burst")
 LOSS_TREND = _spec("loss_trend", "gauge", (),
                    "Mean of the last 20 finite losses given to monitor.observe(loss=...) (absent until 20 exist).",
                    doc="Mean of the last 20 finite losses given to `observe(loss=...)`; absent until 20 exist")

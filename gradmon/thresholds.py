@@ -56,10 +56,18 @@ class Thresholds:
     amp_min_loss_scale: float = 1.0
     """A loss scale below this has given up on fp16's range."""
     spike_hold_steps: int = 20
-    """Steps a spike keeps its warning firing, counted in the process (the same at any
-    step rate): the loss trend's window, long enough for the trend to show whether the spike
-    moved it (``GradmonLossRising`` takes over if it did), short enough that an isolated
-    spike of a healthy run costs little warning time."""
+    """Steps a burst of spikes keeps its warning firing, counted in the process (the same at
+    any step rate): the loss trend's window, long enough for the trend to show whether the
+    spikes moved it (``GradmonLossRising`` takes over if they did). Also the window in which
+    ``spike_burst`` spike steps make a burst."""
+    spike_burst: int = 3
+    """Spike steps of one signal within ``spike_hold_steps`` steps that warn (a burst,
+    ``gradmon_steps_since_spike_burst``): a lone spike step, or two, is counted and drawn but
+    does not warn. Healthy recurrent nets meet a steep wall of their loss now and then (a
+    gradient-norm spike of 3-30x every few hundred steps in the alert corpus's ``rnn`` runs),
+    where an instability building up spikes again and again. Chosen on the alert corpus's
+    tune split (docs/alert-evaluation.md): 2 left its healthy runs over one warning edge per
+    1,000 steps at 10 and 60 s a step, 4 lost one more early warning."""
     norm_baseline_ratio: float = 4.0
     """A layer's gradient norm this many times the median of its own last norm_baseline
     sampled steps, sustained (``norm_ratio_steps``), is the warning tier. Not 3: the small

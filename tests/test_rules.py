@@ -192,6 +192,10 @@ def since(values: str, signal: str = "loss", rank: str = "0") -> dict:
     return series("gradmon_steps_since_spike", values, rank=rank, signal=signal)
 
 
+def burst(values: str, signal: str = "loss", rank: str = "0") -> dict:
+    return series("gradmon_steps_since_spike_burst", values, rank=rank, signal=signal)
+
+
 def evidence(values: str, signal: str) -> dict:
     return series("gradmon_loss_divergence_evidence", values, rank="0", signal=signal)
 
@@ -207,37 +211,43 @@ LR_WARMUP = "0+0.00005x20 0.001x40"
 LR_RESTART = "0.001 0.0009 0.0007 0.0005 0.0003 0.0001 0 0 0.001 0.0009 0.0007 0.0005 0.0003 0.0001 0 0.001x15"
 
 CASES.update({
-    # -- spikes, decided in the process: a warning while recent (in steps), a spike no scrape saw still counts
-    "a_loss_spike_warns_while_it_is_recent_in_steps": (
-        # 100 steps a minute, a scrape a minute: 0 steps since the spike, then 100, 200
-        [steps(), since("_x10 0 100 200x20")],
+    # -- spikes, decided in the process: a burst warns while recent (in steps), one no scrape saw still counts
+    "a_loss_spike_burst_warns_while_it_is_recent_in_steps": (
+        # 100 steps a minute, a scrape a minute: 0 steps since the burst, then 100, 200
+        [steps(), since("_x10 0 100 200x20"), burst("_x10 0 100 200x20")],
         [alert("GradmonLossSpike", "10m", ("warning", target(rank="0", signal="loss"))),
          alert("GradmonLossSpike", "11m"), alert("GradmonLossSpikeSevere", "10m")]),
-    "a_loss_spike_between_two_scrapes_warns_once_though_past_its_hold": (
-        # 100 steps a minute: the spike 80 steps before the scrape at 11m came after the one at 10m
-        [steps(), since("200x10 80 180 280x10")],
+    "a_loss_spike_burst_between_two_scrapes_warns_once_though_past_its_hold": (
+        # 100 steps a minute: the burst 80 steps before the scrape at 11m came after the one at 10m
+        [steps(), burst("200x10 80 180 280x10")],
         [alert("GradmonLossSpike", "10m"),
          alert("GradmonLossSpike", "11m", ("warning", target(rank="0", signal="loss"))),
          alert("GradmonLossSpike", "12m")]),
-    "a_spike_warns_for_spike_hold_steps_then_clears": (
-        # 10 steps a minute: 0, 10, 20 steps since the spike at 12m, 13m, 14m; the hold is 20 steps
-        [series("gradmon_steps_total", "0+10x60", rank="0"), since("_x12 0 10 20 30 40x10")],
+    "a_spike_burst_warns_for_spike_hold_steps_then_clears": (
+        # 10 steps a minute: 0, 10, 20 steps since the burst at 12m, 13m, 14m; the hold is 20 steps
+        [series("gradmon_steps_total", "0+10x60", rank="0"), burst("_x12 0 10 20 30 40x10")],
         [alert("GradmonLossSpike", "12m", ("warning", target(rank="0", signal="loss"))),
          alert("GradmonLossSpike", "13m", ("warning", target(rank="0", signal="loss"))),
          alert("GradmonLossSpike", "14m"), alert("GradmonLossSpike", "16m")]),
     "no_spike_warning_in_the_warm_up": (
         # 10 steps a minute: past the 100-step warm-up at 10m
-        [series("gradmon_steps_total", "0+10x60", rank="0"), since("_x3 0+10x60")],
+        [series("gradmon_steps_total", "0+10x60", rank="0"), burst("_x3 0+10x60")],
         [alert("GradmonLossSpike", "4m"), alert("GradmonLossSpike", "8m"), alert("GradmonLossSpike", "12m")]),
-    "a_grad_norm_spike_is_a_warning_naming_the_signal": (
-        [steps(), since("_x10 0 20 200x20", "grad_norm")],
+    "a_lone_spike_without_a_burst_is_no_warning": (
+        # a spike at 10m and one at 11m (100 steps a minute): counted, never three in 20 steps
+        [steps(), since("_x10 0 0 100 200x20"), since("_x10 0 0 100 200x20", "grad_norm"),
+         since("_x10 0 0 100 200x20", "layer_grad_norm")],
+        [alert("GradmonLossSpike", "10m"), alert("GradmonLossSpike", "11m"), alert("GradmonGradNormSpike", "10m"),
+         alert("GradmonGradNormJump", "10m"), alert("GradmonGradNormJump", "11m")]),
+    "a_grad_norm_spike_burst_is_a_warning_naming_the_signal": (
+        [steps(), burst("_x10 0 20 200x20", "grad_norm")],
         [alert("GradmonGradNormSpike", "11m", ("warning", target(rank="0", signal="grad_norm"))),
          alert("GradmonGradNormSpike", "14m"), alert("GradmonGradNormSpikeSevere", "11m")]),
     "one_ranks_own_gradient_spike_warns_naming_that_rank": (
-        [steps("0"), steps("1"), since("200x20", "local_grad_norm", "0"), since("_x10 0 200x10", "local_grad_norm", "1")],
+        [steps("0"), steps("1"), burst("200x20", "local_grad_norm", "0"), burst("_x10 0 200x10", "local_grad_norm", "1")],
         [alert("GradmonGradNormSpike", "10m", ("warning", target(rank="1", signal="local_grad_norm")))]),
-    "a_layer_norm_spike_is_a_warning": (
-        [steps(), since("_x10 0 20 200x20", "layer_grad_norm")],
+    "a_layer_norm_spike_burst_is_a_warning": (
+        [steps(), burst("_x10 0 20 200x20", "layer_grad_norm")],
         [alert("GradmonGradNormJump", "11m", ("warning", target(rank="0", signal="layer_grad_norm"))),
          alert("GradmonGradNormJump", "14m"), alert("GradmonGradNormJumpSevere", "11m")]),
     "attention_growth_warns_as_it_reaches_its_bar_and_each_doubling": (

@@ -190,6 +190,29 @@ def test_the_tracker_counts_spike_steps_per_signal():
     assert set(tracker.scores) == {"loss", "grad_norm"}
 
 
+@pytest.mark.parametrize("spiked, bursts", [
+    ((150,), ()),  # a lone spike: counted, no burst
+    ((150, 165), ()),  # two within the window
+    ((150, 160, 169), (169,)),  # the third within 20 steps (150..169) makes one
+    ((150, 160, 170), ()),  # the first has left the window when the third comes
+    ((150, 151, 152, 153, 180), (152, 153)),  # each spike step with two more in the window
+])
+def test_a_burst_is_a_spike_step_with_two_more_of_its_signal_in_the_last_20_steps(spiked, bursts):
+    tracker = SpikeTracker(("grad_norm", "loss"))
+    seen = []
+    for step in range(200):
+        tracker.new_step(step)
+        tracker.observe("grad_norm", 10.0 if step in spiked else 1.0 + 0.01 * (step % 7))
+        tracker.observe("loss", 3.0 if step == 151 else 1.0 + 0.01 * (step % 5))  # another signal's spike
+        if tracker.steps_since_burst().get("grad_norm") == 0:
+            seen.append(step)
+    assert tracker.spikes["grad_norm"] == len(spiked)
+    assert tuple(seen) == bursts
+    assert "loss" not in tracker.steps_since_burst()  # one spike of its own: no burst
+    if bursts:
+        assert tracker.steps_since_burst()["grad_norm"] == 199 - bursts[-1]
+
+
 def _eager(window, y, log_scale):
     """The verdict as robust.score gives it on tensors, every step (the definition)."""
     import torch

@@ -243,3 +243,39 @@ def test_steps_above_the_baseline_are_judged_in_bounded_memory_when_nothing_scra
         folded.update_gauges({0: columns})
         assert len(folded._arrived[gauge].get(0, ())) < ARRIVED_MAX
     assert folded.longest_streaks() == {M.GRAD_NORM_ABOVE_BASELINE_STEPS: 4}  # 4 of 10 leave the median calm
+
+
+def test_a_lone_gradient_spike_is_counted_and_three_within_20_steps_are_a_burst(attach):
+    """What the spike warnings read: steps since a burst (3 spike steps of a signal within 20
+    steps), exported by a real monitor from real steps; one spike alone moves the spike count
+    and the steps since a spike, and no burst."""
+    run = Run()
+    mon = attach(run.model, spike_min_steps=32, baseline_warmup=0)
+    since, burst = M.STEPS_SINCE_SPIKE.name, M.STEPS_SINCE_SPIKE_BURST.name
+
+    def spike() -> None:
+        weights = {k: v.clone() for k, v in run.model.state_dict().items()}
+        run.step(loss_scale=1000.0)  # every gradient 1000x: the global norm spikes
+        run.model.load_state_dict(weights)  # and the huge update is undone
+
+    for _ in range(40):
+        run.step()
+    spike()
+    samples = fresh(mon)
+    assert value(samples, since, signal=M.SIGNAL_GRAD_NORM) == 0
+    with pytest.raises(KeyError):
+        value(samples, burst, signal=M.SIGNAL_GRAD_NORM)
+    for _ in range(30):  # the lone spike leaves the 20-step window
+        run.step()
+    spike()
+    run.step()
+    spike()
+    with pytest.raises(KeyError):
+        value(fresh(mon), burst, signal=M.SIGNAL_GRAD_NORM)  # two within 20 steps: still none
+    run.step()
+    spike()
+    assert value(fresh(mon), burst, signal=M.SIGNAL_GRAD_NORM) == 0
+    run.step()
+    samples = fresh(mon)
+    assert value(samples, burst, signal=M.SIGNAL_GRAD_NORM) == 1
+    assert value(samples, M.exposed_names(M.SPIKE_STEPS)[0], signal=M.SIGNAL_GRAD_NORM) == 4

@@ -198,8 +198,11 @@ def totals(folded: Iterable[Folded], last: LastStep, divergence: DivergenceWatch
 
 
 def signal_gauges(spikes: SpikeTracker, divergence: DivergenceWatch) -> Tuple[SignalGauge, ...]:
-    """Steps since each signal's last spike, and the signals that are evidence of a divergence now."""
-    out = tuple(SignalGauge(M.STEPS_SINCE_SPIKE, signal, float(n)) for signal, n in spikes.steps_since().items())
+    """Steps since each signal's last spike and last burst of spikes, and the signals that are
+    evidence of a divergence now."""
+    out = tuple(SignalGauge(spec, signal, float(n)) for spec, since in (
+        (M.STEPS_SINCE_SPIKE, spikes.steps_since()), (M.STEPS_SINCE_SPIKE_BURST, spikes.steps_since_burst()))
+        for signal, n in since.items())
     return out + tuple(SignalGauge(M.DIVERGENCE_EVIDENCE, signal, 1.0) for signal in sorted(divergence.evidence))
 
 

@@ -25,6 +25,7 @@ import torch
 from .. import metrics as M
 from .. import robust
 from ..robust import LOG_FLOOR, MAD_TO_SIGMA, lr_jumped
+from ..thresholds import Thresholds
 
 __all__ = ["LOG_FLOOR", "MAD_TO_SIGMA", "LayerBaselines", "SpikeDetector", "SpikeTracker", "Verdict", "lr_jumped"]
 
@@ -211,11 +212,16 @@ class SpikeTracker:
 
     ``new_step`` is called once per step before the step's values: the windows restart
     when the global step goes backwards or jumps by more than a window (a resumed run)
-    and when any parameter group's learning rate jumps (see :func:`lr_jumped`)."""
+    and when any parameter group's learning rate jumps (see :func:`lr_jumped`).
+
+    A signal's spike step with at least ``burst`` of its spike steps within the last
+    ``burst_window`` steps (itself included) is a burst: what the spike warnings read, so
+    that a lone spike is counted but warns only once spikes recur."""
 
     def __init__(self, signals: Sequence[str], threshold: float = 6.0, window: int = 128,
                  min_steps: int = 32, raw_below_zero: Iterable[str] = (),
-                 layers: Optional[Mapping[str, float]] = None) -> None:
+                 layers: Optional[Mapping[str, float]] = None, burst: int = Thresholds().spike_burst,
+                 burst_window: int = Thresholds().spike_hold_steps) -> None:
         """``layers``: signals scored per layer (:class:`LayerBaselines`), each with its
         minimum ratio to the layer's baseline."""
         raw = frozenset(raw_below_zero)
@@ -227,6 +233,9 @@ class SpikeTracker:
         self._scores: Dict[str, Union[float, Judged]] = {}  # a signal's last score, or the value to score
         self.spikes: Dict[str, int] = {s: 0 for s in signals}
         self.last: Dict[str, int] = {}  # signal -> the step count (``steps``) of its last spike
+        self.last_burst: Dict[str, int] = {}  # signal -> the step count of its last burst
+        self._burst, self._burst_window = burst, burst_window
+        self._recent: Dict[str, Deque[int]] = {}  # signal -> the step counts of its spikes in the burst window
         self.this_step: Set[str] = set()  # the signals that spiked in the current step
         self.steps = 0  # calls of new_step: steps, counted the same way for every signal
         self.restarts = 0
@@ -302,10 +311,20 @@ class SpikeTracker:
             self.spikes[signal] += 1
             self.last[signal] = self.steps
             self.this_step.add(signal)
+            recent = self._recent.setdefault(signal, deque())
+            recent.append(self.steps)
+            while recent[0] <= self.steps - self._burst_window:
+                recent.popleft()
+            if len(recent) >= self._burst:
+                self.last_burst[signal] = self.steps
 
     def steps_since(self) -> Dict[str, int]:
         """Steps since each signal's last spike step (0: this step); signals that never spiked are absent."""
         return {signal: self.steps - at for signal, at in self.last.items()}
+
+    def steps_since_burst(self) -> Dict[str, int]:
+        """Steps since each signal's last burst (0: this step); signals that never had one are absent."""
+        return {signal: self.steps - at for signal, at in self.last_burst.items()}
 
     def resume(self, spikes: Mapping[str, int]) -> None:
         """Continue an earlier monitor's counts (same model name and labels)."""
