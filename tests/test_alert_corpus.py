@@ -381,6 +381,7 @@ TUNE_CASES = {  # one run of each kind the criteria name, and the hardest tune n
     "lm-lr-high-nowarmup-s1": "paged in time, warned early",
     "cnn-poisoned-batch-s0": "warned, not paged",
     "lm-poisoned-batch-s0": "warned, not paged",
+    "rnn-healthy-nowarmup-s1": "lone gradient spikes, no warning",
 }
 
 
@@ -400,6 +401,18 @@ def test_a_healthy_tune_run_never_pages_at_10_s_per_step(tune_scores):
 def test_a_diverging_tune_run_pages_in_time_after_an_early_warning(tune_scores):
     s = tune_scores["lm-lr-high-nowarmup-s1"]
     assert s.paged_in_time and s.early_warning_lead is not None
+
+
+def test_a_healthy_recurrent_runs_lone_gradient_spikes_are_counted_and_not_warned(tune_scores, replays):
+    """Once learned, this tanh RNN's gradient norm spikes alone now and then (a recurrent net
+    meeting a steep wall of its loss) with the loss unmoved: every spike is counted, none is a
+    burst, so nothing warns (each spike warned for 20 steps before the bursts)."""
+    name = "rnn-healthy-nowarmup-s1"
+    since = next(v for k, v in replays[name].items()
+                 if k.startswith("gradmon_steps_since_spike{") and 'signal="grad_norm"' in k)
+    assert sum(1 for x in since if x == 0) >= 10  # spike steps of the global norm
+    s = tune_scores[name]
+    assert s.kind == "healthy" and not s.edges("warning") and not s.edges("critical")
 
 
 @pytest.mark.parametrize("name", ["cnn-poisoned-batch-s0", "lm-poisoned-batch-s0"])
