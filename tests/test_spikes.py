@@ -320,3 +320,17 @@ def test_every_layer_of_a_step_updated_at_once_matches_the_recurrence_one_layer_
             else got is None, t
         spikes += bool(got and got.spike)
     assert spikes > 0  # the sequence does reach the spike branch
+
+
+def test_a_burst_counts_steps_not_calls():
+    """Two attention layers reaching a doubling on one step are one event step of the signal."""
+    tracker = SpikeTracker(("attention_growth",))
+    for step in range(10):
+        tracker.new_step(step)
+        if step == 2:
+            tracker.event("attention_growth")
+            tracker.event("attention_growth")
+        if step == 5:
+            tracker.event("attention_growth")
+    assert tracker.steps_since() == {"attention_growth": 4}
+    assert tracker.steps_since_burst() == {}

@@ -312,7 +312,8 @@ class SpikeTracker:
             self.last[signal] = self.steps
             self.this_step.add(signal)
             recent = self._recent.setdefault(signal, deque())
-            recent.append(self.steps)
+            if not recent or recent[-1] != self.steps:  # a burst counts steps, not calls
+                recent.append(self.steps)
             while recent[0] <= self.steps - self._burst_window:
                 recent.popleft()
             if len(recent) >= self._burst:
