@@ -15,8 +15,8 @@ from typing import List, Optional, Tuple
 import pytest
 
 from gradmon import metrics as M
-from gradmon.aggregate.divergence import (SIGNAL_LOSS_CREEP, SIGNAL_LOSS_SUSTAINED, SIGNAL_NONFINITE_LOSS,
-                                          DivergenceSettings, DivergenceWatch)
+from gradmon.aggregate.divergence import (SIGNAL_LOSS_CREEP, SIGNAL_LOSS_SUSTAINED, SIGNAL_LR_ABOVE_PEAK,
+                                          SIGNAL_NONFINITE_LOSS, DivergenceSettings, DivergenceWatch)
 from gradmon.aggregate.spikes import SpikeTracker
 
 LAYER = M.SIGNAL_LAYER_GRAD_NORM
@@ -51,18 +51,19 @@ def diverging_loss(steps: int) -> List[float]:
     return [noisy(x, rng) for x in base + climb]
 
 
-def run(losses: List[float], norms: List[Optional[float]],
-        settings: DivergenceSettings = DivergenceSettings()) -> Tuple[List[int], List[int], DivergenceWatch]:
-    """Per step: the steps since the layer's last spike (-1: none yet) and the divergence state."""
+def run(losses: List[float], norms: List[Optional[float]], settings: DivergenceSettings = DivergenceSettings(),
+        rates: Optional[List[Optional[float]]] = None) -> Tuple[List[int], List[int], DivergenceWatch]:
+    """Per step: the steps since the layer's last spike (-1: none yet) and the divergence state.
+    ``rates``: each step's learning rate over its settled peak (default: none settled)."""
     spikes = SpikeTracker((M.SIGNAL_LOSS, LAYER), layers={LAYER: 3.0})
     watch = DivergenceWatch(settings)
     since, diverging = [], []
-    for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
+    for step, (loss, norm, rate) in enumerate(zip(losses, norms, rates or [None] * len(losses)), start=1):
         spikes.new_step(step)
         spikes.observe(M.SIGNAL_LOSS, loss)
         if norm is not None:
             spikes.observe_layers(LAYER, [0], [norm])
-        watch.step(loss, spikes.this_step)
+        watch.step(loss, spikes.this_step, rate)
         since.append(spikes.steps_since().get(LAYER, -1))
         diverging.append(watch.diverging_steps)
     return since, diverging, watch
@@ -156,7 +157,7 @@ def test_a_jump_after_gradient_spikes_is_still_a_bad_batch():
     assert not any(diverging) and watch.divergences == 0
 
 
-def collapse(gradient_at: int) -> Tuple[List[int], DivergenceWatch]:
+def collapse(gradient_at: int, rates: Optional[List[Optional[float]]] = None) -> Tuple[List[int], DivergenceWatch]:
     """A model that learned (3.0 -> 0.5) and loses it in one step at step 401 (index 400): the
     loss back at its starting level for good, one layer's gradient at 20x on step ``gradient_at``
     (an index)."""
@@ -164,8 +165,14 @@ def collapse(gradient_at: int) -> Tuple[List[int], DivergenceWatch]:
     losses = [3.0] * 20 + [noisy(0.5, rng) for _ in range(380)] + [noisy(3.0, rng) for _ in range(150)]
     norms: List[Optional[float]] = [math.exp(rng.gauss(0.0, 0.15)) for _ in losses]
     norms[gradient_at] = 20.0
-    _, diverging, watch = run(losses, norms)
+    _, diverging, watch = run(losses, norms, rates=rates)
     return diverging, watch
+
+
+def restart(at: int, factor: float, steps: int = 550) -> List[Optional[float]]:
+    """A learning rate over its settled peak: 1 (settled) from index 150, rising linearly from
+    index ``at`` to ``factor`` over 20 steps and held there."""
+    return [None if i < 150 else 1.0 + (factor - 1.0) * min(1.0, max(0, i - at) / 20) for i in range(steps)]
 
 
 def test_a_jump_to_the_starting_level_the_step_after_the_gradient_spiked_pages_on_the_jump():
@@ -182,6 +189,25 @@ def test_the_same_jump_with_the_gradient_on_its_own_step_or_two_before_it_pages_
     """The gradient spiking with the loss is a bad batch's signature; two steps before it, the
     loss in between did not follow: neither is evidence, and the jump pages once it lasts."""
     diverging, watch = collapse(gradient_at)
+    assert next(i for i, d in enumerate(diverging) if d) > 400 + 50
+    assert watch.evidence == {SIGNAL_LOSS_SUSTAINED}
+
+
+def test_a_jump_while_the_learning_rate_is_above_its_settled_peak_pages_on_the_jump():
+    """A schedule restarted past its peak, and the loss jumps back to its start 15 steps into
+    the rise with its gradient on its own step (a bad batch's signature, were the rate flat):
+    the rate is a cause in the schedule, not in the data, so the jump's own step pages."""
+    diverging, watch = collapse(gradient_at=400, rates=restart(at=385, factor=10.0))
+    assert next(i for i, d in enumerate(diverging) if d) == 400
+    assert watch.evidence == {SIGNAL_LR_ABOVE_PEAK} and watch.divergences == 1
+
+
+@pytest.mark.parametrize("rates", [restart(at=385, factor=1.4), [None] * 40 + [1.0] * 20 + [10.0] * 20 + [1.0] * 470],
+                         ids=["below-the-bar", "too-long-before"])
+def test_the_same_jump_after_a_rate_below_the_bar_or_long_before_pages_only_once_sustained(rates):
+    """A rate 1.4x its peak is under ``lr_above_peak``; one above it that ended (settled: back
+    to 1) more than ``evidence`` steps before the climb is no cause of it."""
+    diverging, watch = collapse(gradient_at=400, rates=rates)
     assert next(i for i, d in enumerate(diverging) if d) > 400 + 50
     assert watch.evidence == {SIGNAL_LOSS_SUSTAINED}
 

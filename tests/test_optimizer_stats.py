@@ -292,6 +292,37 @@ def test_a_schedule_restarted_above_its_peak_is_exported_over_its_settled_peak(a
     assert seen[restart + 1] == pytest.approx(3.0)
 
 
+@pytest.mark.parametrize("factor", [10.0, 1.0], ids=["restarted-above-its-peak", "held"])
+def test_a_loss_back_at_its_start_pages_at_once_only_while_the_rate_is_above_its_peak(attach, factor):
+    """A held rate, then (or not) a restart to 10x, and 10 steps into it the observed loss jumps
+    back to where the run started, as a bad batch's would: with the rate above its settled peak
+    the monitor pages on the jump's step and names the rate as its evidence; with the rate held,
+    the same jump is a batch until it lasts."""
+    settle = Thresholds().lr_settle_steps
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    restart = settle + 30
+    jump = restart + 10
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: factor if i >= restart else 1.0)
+    mon = attach(model, detail_every=1000, optimizer_every=0)
+    seen = {}
+    for step in range(jump + 3):
+        _backward(model, step)
+        mon.observe(loss=3.0 if step < 20 or step >= jump else 0.5 + 0.01 * (step % 7))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step >= jump - 1:
+            s = fresh(mon)
+            seen[step] = (value(s, "gradmon_loss_diverging_steps"),
+                          sorted(dict(k[1])["signal"] for k in s if k[0] == "gradmon_loss_divergence_evidence"))
+    assert seen[jump - 1] == (0, [])
+    if factor > 1:
+        assert seen[jump] == (1, ["learning_rate_above_peak"]) and seen[jump + 2][0] == 3
+    else:
+        assert all(seen[s] == (0, []) for s in seen)
+
+
 def test_channels_last_weights_and_their_state_are_read_element_for_element(attach):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).to(memory_format=torch.channels_last)

@@ -144,7 +144,8 @@ class Aggregator:
         paged = self.divergence.divergences
         # an event decided elsewhere (a growth's doubling) is not (yet) evidence of a divergence:
         # the evidence was chosen from the loss's and the gradients' scored spikes, on the tune split
-        self.divergence.step(self.last.step_loss, self.spikes.this_step.difference(M.EVENT_SIGNALS))
+        self.divergence.step(self.last.step_loss, self.spikes.this_step.difference(M.EVENT_SIGNALS),
+                             max((ratio for _, ratio in self.last.peaks.ratios()), default=None))
         if self.divergence.divergences > paged and self.black_box is not None:
             # written before any snapshot counts the divergence, as a non-finite incident's
             self.black_box.write(Moment(packet.global_step), KIND_DIVERGENCE, divergence_reason(self.divergence))

@@ -26,9 +26,12 @@ Two tiers, after what separates a divergence from a bad batch in recorded runs:
   steps before the climb began (at least ``creep`` steps before it: the short mean crosses
   ``onset`` a step or two after a jump), or a gradient that spiked without the loss on the
   step before the loss spiked (an update that broke the model: the gradients led, the loss
-  followed). A climb whose loss jumped to ``jump`` times its level or more without a ramp is a
-  bad batch's signature (its loss and gradients spike in the same step): of the spikes before
-  it only gradients that led the loss are evidence. Without evidence, a trend that stays
+  followed), or a learning rate at ``lr_above_peak`` times its settled peak in the ``evidence``
+  steps before the climb or since (a cause in the schedule, not in the data: a converged model
+  often collapses within tens of steps of such a rise, in one step as often as in a ramp). A
+  climb whose loss jumped to ``jump`` times its level or more without a ramp is a bad batch's
+  signature (its loss and gradients spike in the same step): of the spikes before it only
+  gradients that led the loss are evidence, and a learning rate above its peak still is. Without evidence, a trend that stays
   diverged for ``sustain`` steps pages too. A non-finite loss pages at once. The page holds
   for ``window`` steps at least (the trend's lag), then until the trend falls below
   ``settled`` times its best.
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from typing import Deque, Dict, FrozenSet, Iterable, Optional, Tuple
 
 from ..metrics import SIGNAL_LOSS
+from ..thresholds import Thresholds
 
 NEAR_TOP = 0.8
 """A climb's loss is near its top from this share of the way up (from its level to its highest)."""
@@ -56,6 +60,8 @@ SIGNAL_LOSS_CREEP = "loss_creep"
 """Evidence: the loss climbed through intermediate values (``ramp`` steps or more) before the divergence."""
 SIGNAL_LOSS_SUSTAINED = "loss_sustained"
 """Evidence: the trend stayed diverged for ``sustain`` steps."""
+SIGNAL_LR_ABOVE_PEAK = "learning_rate_above_peak"
+"""Evidence: a learning rate at ``lr_above_peak`` times its settled peak before or during the climb."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,11 @@ class DivergenceSettings:
     evidence."""
     sustain: int = 100
     """Steps a diverged trend without other evidence must last to page."""
+    lr_above_peak: float = Thresholds().lr_over_peak
+    """A learning rate this many times its settled peak (``scalars.LearningRatePeaks``), from
+    ``evidence`` steps before the climb began to the step it is confirmed, is evidence, for a
+    jump as for a climb: the schedule, not a batch, moved the model (the warning
+    ``GradmonLearningRateAbovePeak`` fires at the same bar)."""
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.onset_window < 1 or self.level_steps < 1:
@@ -232,20 +243,25 @@ class DivergenceWatch:
         self._spikes: Deque[Tuple[int, str]] = deque()  # (step, signal), the last ``evidence`` steps
         self._diverged_since: Optional[int] = None
         self._before: FrozenSet[str] = frozenset()  # evidence from before the climb, dated when diverged
+        self._lr_above_peak_at: Optional[int] = None  # the last step a learning rate was above its peak
 
     def restart(self) -> None:
         """A resumed run: the old best is no baseline. The counter carries on."""
         self.trend.restart()
         self.climb.restart()
         self._spikes.clear()
-        self._diverged_since = None
+        self._diverged_since = self._lr_above_peak_at = None
         self.rising_steps = self.diverging_steps = 0
         self.evidence = frozenset()
 
-    def step(self, loss: Optional[float], spiked: Iterable[str] = ()) -> None:
+    def step(self, loss: Optional[float], spiked: Iterable[str] = (), lr_over_peak: Optional[float] = None) -> None:
+        """``lr_over_peak``: the step's highest learning rate over its group's settled peak
+        (None: no group has settled one)."""
         spiked = tuple(spiked)  # read twice: by the dating and into the spikes kept
         self.steps += 1
         now, s = self.steps, self.settings
+        if lr_over_peak is not None and lr_over_peak >= s.lr_above_peak:
+            self._lr_above_peak_at = now
         if loss is not None and not math.isfinite(loss):
             self._page(frozenset({SIGNAL_NONFINITE_LOSS}))
             return
@@ -296,15 +312,21 @@ class DivergenceWatch:
         onset = self.climb.since if self.climb.since is not None else now
         # a climb is the model's when its loss rose through intermediate values for ``ramp``
         # steps; without a ramp, a loss at ``jump`` times its level is a bad batch's signature:
-        # what spiked before it is no evidence either, but for gradients that led the loss, and
-        # it pages only if it lasts (``sustain``)
+        # what spiked before it is no evidence either, and it pages only if it lasts
+        # (``sustain``) or something moved the model rather than the batch
         gradual = self.climb.gradual_steps() >= s.ramp
         jumped = not gradual and self.climb.top() >= s.jump
-        led = self._gradients_led(onset - s.creep, now, spiked)
+        # what moved the model: gradients that led the loss, a learning rate risen past its peak
+        caused = self._gradients_led(onset - s.creep, now, spiked) | self._rate_rose(onset - s.evidence)
         if jumped:
-            return led
+            return caused
         return frozenset({signal for at, signal in self._spikes if onset - s.evidence <= at < onset - s.creep}
-                         | ({SIGNAL_LOSS_CREEP} if gradual else set()) | led)
+                         | ({SIGNAL_LOSS_CREEP} if gradual else set()) | caused)
+
+    def _rate_rose(self, since: int) -> FrozenSet[str]:
+        """A learning rate at ``lr_above_peak`` times its settled peak from ``since`` on."""
+        at = self._lr_above_peak_at
+        return frozenset({SIGNAL_LR_ABOVE_PEAK}) if at is not None and at >= since else frozenset()
 
     def _gradients_led(self, since: int, now: int, spiked: Tuple[str, ...]) -> FrozenSet[str]:
         """The signals that spiked without the loss on a step before which the loss spiked, from
