@@ -28,13 +28,13 @@ Two tiers, after what separates a divergence from a bad batch in recorded runs:
   step before the loss spiked (an update that broke the model: the gradients led, the loss
   followed), or a learning rate at ``lr_above_peak`` times its settled peak in the ``evidence``
   steps before the climb or since (a cause in the schedule, not in the data: a converged model
-  often collapses within tens of steps of such a rise, in one step as often as in a ramp). A
-  climb whose loss jumped to ``jump`` times its level or more without a ramp is a bad batch's
+  often collapses within tens of steps of such a rise, over a few steps or in one). A climb
+  whose loss jumped to ``jump`` times its level or more without a ramp is a bad batch's
   signature (its loss and gradients spike in the same step): of the spikes before it only
-  gradients that led the loss are evidence, and a learning rate above its peak still is. Without evidence, a trend that stays
-  diverged for ``sustain`` steps pages too. A non-finite loss pages at once. The page holds
-  for ``window`` steps at least (the trend's lag), then until the trend falls below
-  ``settled`` times its best.
+  gradients that led the loss are evidence, and a learning rate above its peak still is.
+  Without evidence, a trend that stays diverged for ``sustain`` steps pages too. A non-finite
+  loss pages at once. The page holds for ``window`` steps at least (the trend's lag), then
+  until the trend falls below ``settled`` times its best.
 
 A batch of bad data (a loss and gradient spike in the same step, from a healthy trend) is a
 warning that clears when the batch has passed; a divergence whose gradients moved first
