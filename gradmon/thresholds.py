@@ -89,7 +89,7 @@ class Thresholds:
     """Adam's RMS_t of g/sqrt(v̂) is about 1 for a gradient as large as its history; this
     many times that means a gradient spike the second moment has not caught up with (the
     instability StableAdamW clips; the bound is (1-β2)^(-1/2), 31.6 at β2=0.999, 4.5 at 0.95).
-    Above the 3.1-3.6 that ordinary healthy runs of the alert corpus's tune split reach now and
+    Above the 3.1-3.6 that healthy runs of the alert corpus's tune split reach now and
     then; not higher, so that a β2 of 0.95 keeps a band below its bound to fire in."""
     guard_skip_run: int = 3
     """Steps the step guard (``guard=``) skipped within ``guard_window`` that page: one
