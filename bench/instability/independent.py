@@ -1,7 +1,7 @@
 """The independent set (issue 23): runs gradmon and its rules were never tuned on, recorded and
 scored outside the repository, so that a detector fitted to the corpus shows.
 
-Same three families and causes as ``corpus.py``, but seeds the corpus never used and settings
+The families and causes of ``corpus.py`` (``lstm`` and ``rnn`` since 2026-11-28), but seeds the corpus never used and settings
 moved off the corpus's values: other learning rates, other warm-up lengths, the poison at
 another step and for another number of steps, the schedule restart at another step with another
 ramp and factor. What each run turned out to be is ``label.py``'s call, made from its loss alone,
@@ -53,4 +53,15 @@ def runs() -> Tuple[Run, ...]:
     add("lm", "poisoned-batch", 23, "at1300x5", lr=1e-3, warmup=200, poison=tuple(range(1300, 1305)))
     add("cnn", "poisoned-batch", 21, "at600x3", lr=3e-3, warmup=200, poison=tuple(range(600, 603)))
     add("gru", "poisoned-batch", 22, "at700x12", lr=3e-3, warmup=200, poison=tuple(range(700, 712)))
+    # the two tune-only recurrent families (2026-11-28), each cause once, settings moved off theirs
+    add("lstm", "healthy-warmup", 20, "lr2e-3-wu150", lr=2e-3, warmup=150)
+    add("rnn", "healthy-nowarmup", 21, "lr2e-3", lr=2e-3)
+    add("lstm", "lr-high-nowarmup", 22, "lr2e-1", lr=2e-1)
+    add("rnn", "lr-high-warmup", 23, "lr2e-1-wu250", lr=2e-1, warmup=250)
+    add("lstm", "late-collapse", 21, "x80-at1400-ramp60", lr=3e-3, warmup=200, boost=80.0, boost_at=1400,
+        boost_ramp=60)
+    add("rnn", "late-collapse", 22, "at1100-ramp150", lr=3e-3, warmup=200, boost=100.0, boost_at=1100,
+        boost_ramp=150)
+    add("lstm", "poisoned-batch", 23, "at800x5", lr=3e-3, warmup=200, poison=tuple(range(800, 805)))
+    add("rnn", "poisoned-batch", 20, "at1200x10", lr=3e-3, warmup=200, poison=tuple(range(1200, 1210)))
     return tuple(out)
