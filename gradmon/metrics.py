@@ -369,8 +369,8 @@ LOSS_DIVERGING_STEPS = _spec("loss_diverging_steps", "gauge", (),
                              "Steps of the current confirmed divergence, decided in the process at every step: the "
                              "loss trend at 2x its best and loss_floor above it (or a loss back at the run's starting "
                              "level), with evidence that the model climbed there (a climb through intermediate values, "
-                             "a spike before the climb, a learning rate above its settled peak, 100 diverged steps, or a "
-                             "non-finite loss); 0 when none.",
+                             "a spike before the climb, a learning rate above its settled peak, 100 diverged steps, 200 "
+                             "steps without settling back, or a non-finite loss); 0 when none.",
                              doc="Steps of the current confirmed divergence (see `GradmonLossDiverging`); 0 when "
                                  "none")
 LOSS_DIVERGENCES = _spec("loss_divergences", "counter", (),
@@ -381,10 +381,11 @@ DIVERGENCE_EVIDENCE = _spec("loss_divergence_evidence", "gauge", ("signal",),
                             "1 for each signal whose evidence confirmed the current divergence: a spike signal that "
                             "spiked before the loss climbed, loss_creep (a climb through intermediate values), "
                             "learning_rate_above_peak (a learning rate above its settled peak before or during the "
-                            "climb), loss_sustained or nonfinite_loss; absent while no divergence is confirmed.",
+                            "climb), loss_sustained, loss_unrecovered or nonfinite_loss; absent while no divergence is "
+                            "confirmed.",
                             doc="1 for each kind of evidence that confirmed the current divergence (`signal`: a spike "
-                                "signal, `loss_creep` (a climb), `learning_rate_above_peak`, `loss_sustained` or "
-                                "`nonfinite_loss`); absent while none")
+                                "signal, `loss_creep` (a climb), `learning_rate_above_peak`, `loss_sustained`, "
+                                "`loss_unrecovered` or `nonfinite_loss`); absent while none")
 NONFINITE_STEPS = _spec("nonfinite_steps", "counter", (),
                         "Optimizer steps in which any monitored tensor held a non-finite element.",
                         doc="Steps in which any monitored tensor was non-finite")

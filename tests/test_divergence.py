@@ -15,8 +15,9 @@ from typing import List, Optional, Tuple
 import pytest
 
 from gradmon import metrics as M
-from gradmon.aggregate.divergence import (SIGNAL_LOSS_CREEP, SIGNAL_LOSS_SUSTAINED, SIGNAL_LR_ABOVE_PEAK,
-                                          SIGNAL_NONFINITE_LOSS, DivergenceSettings, DivergenceWatch)
+from gradmon.aggregate.divergence import (SIGNAL_LOSS_CREEP, SIGNAL_LOSS_SUSTAINED, SIGNAL_LOSS_UNRECOVERED,
+                                          SIGNAL_LR_ABOVE_PEAK, SIGNAL_NONFINITE_LOSS, DivergenceSettings,
+                                          DivergenceWatch)
 from gradmon.aggregate.spikes import SpikeTracker
 
 LAYER = M.SIGNAL_LAYER_GRAD_NORM
@@ -234,6 +235,42 @@ def test_a_loss_back_at_its_starting_level_after_a_ramp_pages_before_the_trend_d
     trend = [sum(losses[max(0, i - 19):i + 1]) / 20 for i in range(len(losses))]
     assert losses[first] >= 2.0 and trend[first] < 2 * 0.5
     assert watch.evidence == {SIGNAL_LOSS_CREEP}
+
+
+def unrecovered(back_at: Optional[int]) -> Tuple[int, List[int], DivergenceWatch]:
+    """A model that learned (3.0 -> 0.5), then a batch-like jump at index 400 to 2.2x its best,
+    held 30 steps (the trend reaches 2x: diverged, with no evidence), then 1.6x its best: neither
+    back below ``settled`` nor at ``diverged`` again; from index ``back_at`` (None: never) the
+    loss is back at its best. Returns the first diverged step's index, the divergence state by
+    step, and the watch."""
+    rng = random.Random(7)
+    losses = [3.0] * 20 + [noisy(0.5, rng) for _ in range(380)]
+    losses += [noisy(1.1, rng) for _ in range(30)] + [noisy(0.8, rng) for _ in range(370)]
+    if back_at is not None:
+        losses[back_at:] = [noisy(0.5, rng) for _ in losses[back_at:]]
+    _, diverging, watch = run(losses, [None] * len(losses))
+    means = [sum(losses[i - 19:i + 1]) / 20 for i in range(19, len(losses))]
+    best = [min(means[:k + 1]) for k in range(len(means))]
+    first = next(k + 19 for k, (m, b) in enumerate(zip(means, best)) if m >= 2 * b and m - b >= 0.1)
+    return first, diverging, watch
+
+
+def test_a_trend_that_neither_recovers_nor_stays_diverged_pages_once_unrecovered():
+    """A jump with no cause gradmon sees pages only once it lasts, and a trend that falls back
+    between ``settled`` and ``diverged`` times its best never lasts at 2x: the run has not
+    recovered ``unrecovered`` steps after it first diverged, and pages then."""
+    first, diverging, watch = unrecovered(back_at=None)
+    assert next(i for i, d in enumerate(diverging) if d) == first + DivergenceSettings().unrecovered - 1
+    assert watch.evidence == {SIGNAL_LOSS_UNRECOVERED} and watch.divergences == 1
+
+
+def test_the_same_trend_back_at_its_best_within_the_bound_never_pages():
+    """The same jump and the same 1.6x, back at the best more than ``sustain`` steps after it
+    first diverged, and soon enough for the trend to settle within ``unrecovered``: a spike that
+    recovered, however slowly."""
+    first, diverging, watch = unrecovered(back_at=560)
+    assert DivergenceSettings().sustain < 560 - first < DivergenceSettings().unrecovered - 20
+    assert not any(diverging) and watch.divergences == 0
 
 
 def test_a_loss_creeping_up_over_many_steps_pages_without_any_spike():

@@ -32,7 +32,9 @@ Two tiers, after what separates a divergence from a bad batch in recorded runs:
   whose loss jumped to ``jump`` times its level or more without a ramp is a bad batch's
   signature (its loss and gradients spike in the same step): of the spikes before it only
   gradients that led the loss are evidence, and a learning rate above its peak still is.
-  Without evidence, a trend that stays diverged for ``sustain`` steps pages too. A non-finite
+  Without evidence, a trend that stays diverged for ``sustain`` steps pages too, and so does one
+  that has not settled ``unrecovered`` steps after it first diverged (a run that neither
+  recovers nor stays at ``diverged`` times its best has diverged all the same). A non-finite
   loss pages at once. The page holds for ``window`` steps at least (the trend's lag), then
   until the trend falls below ``settled`` times its best.
 
@@ -60,6 +62,8 @@ SIGNAL_LOSS_CREEP = "loss_creep"
 """Evidence: the loss climbed through intermediate values (``ramp`` steps or more) before the divergence."""
 SIGNAL_LOSS_SUSTAINED = "loss_sustained"
 """Evidence: the trend stayed diverged for ``sustain`` steps."""
+SIGNAL_LOSS_UNRECOVERED = "loss_unrecovered"
+"""Evidence: the trend has not settled ``unrecovered`` steps after it first diverged."""
 SIGNAL_LR_ABOVE_PEAK = "learning_rate_above_peak"
 """Evidence: a learning rate at ``lr_above_peak`` times its settled peak before or during the climb."""
 
@@ -98,6 +102,10 @@ class DivergenceSettings:
     evidence."""
     sustain: int = 100
     """Steps a diverged trend without other evidence must last to page."""
+    unrecovered: int = 200
+    """Steps after the trend first reached ``diverged`` without falling back below ``settled``
+    after which the run pages whatever the evidence: a spike that recovers comes back within
+    this long (the alert corpus's labels call a return within 200 steps a recovering spike)."""
     lr_above_peak: float = Thresholds().lr_over_peak
     """A learning rate this many times its settled peak (``scalars.LearningRatePeaks``), from
     ``evidence`` steps before the climb began to the step it is confirmed, is evidence, for a
@@ -295,10 +303,13 @@ class DivergenceWatch:
                 self.diverging_steps, self.evidence = 0, frozenset()
             else:
                 self.diverging_steps += 1
-        elif diverged:
-            evidence = set(self._before)
-            if self._diverged_since is not None and now - self._diverged_since + 1 >= s.sustain:
+        elif self._diverged_since is not None:  # diverged, or has been and not settled since
+            since = now - self._diverged_since + 1
+            evidence = set(self._before) if diverged else set()
+            if diverged and since >= s.sustain:
                 evidence.add(SIGNAL_LOSS_SUSTAINED)
+            if since >= s.unrecovered:
+                evidence.add(SIGNAL_LOSS_UNRECOVERED)
             if evidence:
                 self._page(frozenset(evidence))
         if settled:

@@ -28,7 +28,8 @@ def loss_alerts(t: Timing) -> List[Alert]:
               f"The loss trend (mean of the last 20 losses) is at least 2x its best and loss_floor above it, "
               f"or a loss is back at the run's starting level ({WHERE}), with evidence that the model climbed "
               "there rather than a batch jumping: a climb through intermediate values, a loss or gradient spike "
-              "before the climb, a learning rate above its settled peak, 100 steps diverged, or a non-finite loss "
+              "before the climb, a learning rate above its settled peak, 100 steps diverged, 200 steps without "
+              "settling back under 1.3x, or a non-finite loss "
               "(gradmon_loss_divergence_evidence "
               "says which). Decided in the process at every step. Value: {{ $value }}.",
               diverging(t), 0),
