@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import sys
 from typing import Counter, List
 
@@ -45,8 +46,22 @@ class Count(TorchDispatchMode):
 def as_device() -> None:
     from gradmon.capture import kernels, optimizer
     kernels._host_says_finite = lambda norms: False
-    kernels._norms = lambda group, dtype, small: torch.stack(torch._foreach_norm(group, 2))
+    kernels._norms = lambda group, dtype, small, *rest: torch.stack(torch._foreach_norm(group, 2))
     optimizer._host_step = lambda step: step
+
+
+class Errors(logging.Handler):
+    """gradmon's own error reports while counting: a patched path that no longer fits the
+    code it replaces fails inside gradmon's guards (counted, training goes on) and the
+    counts would silently leave out what it skipped."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "error in" in record.getMessage():
+            self.seen.append(record.getMessage())
 
 
 def per_step(name: str, period: int) -> List[Counter[str]]:
@@ -74,8 +89,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     if args.as_device:
         as_device()
+    errors = Errors()
+    logging.getLogger("gradmon").addHandler(errors)
     base = per_step("baseline", 1)[0]
     steps = per_step("gradmon_defaults", args.period)
+    if errors.seen:
+        print(f"gradmon reported errors while counting (the counts would be wrong): {errors.seen[0]}",
+              file=sys.stderr)
+        return 1
     totals = [sum(c.values()) for c in steps]
     print(f"torch {torch.__version__}, reference GPT{', device code paths' if args.as_device else ''}: "
           f"{sum(base.values())} operations per unmonitored step")

@@ -99,3 +99,15 @@ def test_the_compiled_record_benchmark_times_a_record_after_both_producers():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "record after matmul " in r.stdout and "record after matmul+gelu" in r.stdout, r.stdout
+
+
+def test_the_op_count_proxy_takes_a_devices_paths_without_gradmon_reporting_an_error():
+    """``--as-device`` swaps gradmon functions for a device's versions: one whose signature
+    moved on fails inside gradmon's guards (counted, not raised), and the counts would leave
+    out what it skipped; the script refuses to print them then."""
+    r = subprocess.run([sys.executable, str(BENCH.parent / "bench_ops.py"), "--as-device", "--period", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    added = [line for line in r.stdout.splitlines() if line.startswith("gradmon adds ")]
+    assert len(added) == 2, r.stdout
+    assert "isnan" in r.stdout, r.stdout  # a device counts NaN/Inf on every step: the paths were taken
