@@ -111,3 +111,13 @@ def test_the_op_count_proxy_takes_a_devices_paths_without_gradmon_reporting_an_e
     added = [line for line in r.stdout.splitlines() if line.startswith("gradmon adds ")]
     assert len(added) == 2, r.stdout
     assert "isnan" in r.stdout, r.stdout  # a device counts NaN/Inf on every step: the paths were taken
+
+
+def test_the_kernel_choices_benchmark_times_every_choice_against_its_alternative():
+    """It reaches into ``capture/kernels.py`` for each alternative: a name the kernels no
+    longer have fails here, not when someone next measures."""
+    r = subprocess.run([sys.executable, str(BENCH.parent / "kernel_choices.py"), "--repeats", "3", "--threads", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    timed = [line for line in r.stdout.splitlines() if line.startswith("| `")]
+    assert len(timed) >= 12 and all(float(line.rstrip(" |").rsplit("|", 1)[1]) > 0 for line in timed), r.stdout
