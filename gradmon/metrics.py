@@ -312,10 +312,12 @@ GUARD_SKIPPED_STEPS = _spec("guard_skipped_steps", "counter", ("reason",),
                             values=(("reason", GUARD_REASONS),))
 GUARD_LAST_SKIP_STEP = _spec("guard_last_skip_step", "gauge", ("reason",),
                              "Global step of the latest optimizer step the step guard (guard=) skipped, with its "
-                             "reason; absent until the first skip.",
+                             "reason; absent until the first skip (a model attached again in the same process "
+                             "goes on from the earlier monitor's, as its counters do).",
                              doc="Global step of the latest step the step guard (`guard=`) skipped (the step "
                                  "`exclude.jsonl` lists it under), labelled with its reason; absent until the first "
-                                 "skip",
+                                 "skip; a model attached again in the same process goes on from the earlier "
+                                 "monitor's, as its counters do",
                              values=(("reason", GUARD_REASONS),))
 AMP_LOSS_SCALE = _spec("amp_loss_scale", "gauge", (), "The GradScaler's loss scale at the last step.",
                        doc="The GradScaler's loss scale at the last step (with `scaler=`)")

@@ -160,6 +160,37 @@ def test_the_skips_are_exported_by_reason_with_the_ids_of_the_skipped_batches(tm
     assert all(line["ids_known"] and line["model"] == "sequential" for line in lines)
 
 
+def test_a_monitor_attached_again_goes_on_from_the_skips_and_the_latest_skip_of_the_one_before(tmp_path):
+    """A notebook cell run twice, a Lightning fit after another: the counts carry on (a
+    counter back at 0 reads as a reset) and so does the latest skip's step, until a skip of
+    the new monitor's own replaces it."""
+    model = _model()
+    opt = OPTIMIZERS["adam"](model.parameters())
+
+    def last_skip(registry: CollectorRegistry):
+        text = generate_latest(registry).decode()
+        return [line for line in text.splitlines() if line.startswith("gradmon_guard_last_skip_step{")]
+
+    with gradmon.attach(model, registry=CollectorRegistry(), guard="nonfinite", incident_dir=str(tmp_path),
+                        final_scrape_timeout=0) as mon:
+        _train(model, opt, mon, 8, bad_steps=(5,))
+        assert mon.flush()
+        assert mon.snapshot().guard_last_skip == (M.GUARD_NONFINITE, 5)
+    registry = CollectorRegistry()
+    with gradmon.attach(model, registry=registry, guard="nonfinite", incident_dir=str(tmp_path),
+                        final_scrape_timeout=0) as again:
+        _train(model, opt, again, 3)
+        assert again.flush()
+        assert dict(again.snapshot().guard_skipped_steps) == {M.GUARD_NONFINITE: 1}
+        assert again.snapshot().guard_last_skip == (M.GUARD_NONFINITE, 5)
+        assert last_skip(registry) == [
+            'gradmon_guard_last_skip_step{model="sequential",rank="0",reason="nonfinite"} 5.0']
+        _train(model, opt, again, 3, bad_steps=(1,))
+        assert again.flush()
+        assert dict(again.snapshot().guard_skipped_steps) == {M.GUARD_NONFINITE: 2}
+        assert again.snapshot().guard_last_skip == (M.GUARD_NONFINITE, 11)
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
 def test_past_guard_max_skips_the_step_is_applied_and_the_run_fails(kind):
     model = _model()
