@@ -240,8 +240,12 @@ def test_a_slow_reader_of_a_large_body_is_cut_off_at_the_deadline(serve):
             except ConnectionResetError:
                 closed = True
             time.sleep(0.05)
-    assert closed, (f"still reading after {time.monotonic() - t0:.1f} s ({got} bytes; "
-                    f"{threading.active_count()} threads in this process)")
+    # what the server made of the connection, for a failure to say why (it has been seen
+    # once in a long CI worker, with the connection's thread still alive, not understood)
+    table = [(c.hung_up, round(c.time_left(), 1)) for c in server._httpd._conns]
+    assert closed, (f"still reading after {time.monotonic() - t0:.1f} s ({got} bytes; threads "
+                    f"{[t.name for t in threading.enumerate()]}; the server's connections (hung up, "
+                    f"seconds to their deadline): {table})")
     assert got < len(big)
 
 
