@@ -217,6 +217,27 @@ def test_a_keep_alive_connection_is_closed_at_the_deadline_however_recently_used
     conn.close()
 
 
+def read_slowly(server, grace: float) -> Tuple[bool, int, float, str]:
+    """Ask ``server`` for its body and read it at 80 KB/s until the connection closes or
+    ``grace`` seconds past its deadline: (closed, bytes read, seconds, what the server made
+    of it: the threads alive and its connections, hung up and seconds to their deadline)."""
+    t0 = time.monotonic()
+    with connect(server.port, rcvbuf=4096) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.settimeout(1)
+        got, closed = 0, False
+        while not closed and time.monotonic() - t0 < TIMEOUT + grace:
+            try:
+                chunk = s.recv(4096)  # 80 KB/s: 16 MB would take minutes
+                got += len(chunk)
+                closed = not chunk
+            except ConnectionResetError:
+                closed = True
+            time.sleep(0.05)
+    table = [(c.hung_up, round(c.time_left(), 1)) for c in server._httpd._conns]
+    return closed, got, time.monotonic() - t0, f"threads {[t.name for t in threading.enumerate()]}; connections {table}"
+
+
 def test_a_slow_reader_of_a_large_body_is_cut_off_at_the_deadline(serve):
     """The reader sees the cut as a reset once the connection's thread, woken from its send
     by the reaper at the deadline, closes the socket. Until then the kernel keeps handing the
@@ -226,27 +247,27 @@ def test_a_slow_reader_of_a_large_body_is_cut_off_at_the_deadline(serve):
     is given ten; a reader that was not cut off would read for minutes (16 MB at 80 KB/s). The
     deadline itself is held to a second by the keep-alive test above."""
     big = b"x" * (16 << 20)
-    server = serve(lambda: big)
-    t0 = time.monotonic()
-    with connect(server.port, rcvbuf=4096) as s:
-        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        s.settimeout(1)
-        got, closed = 0, False
-        while not closed and time.monotonic() - t0 < TIMEOUT + 10:
-            try:
-                chunk = s.recv(4096)  # 80 KB/s: 16 MB would take minutes
-                got += len(chunk)
-                closed = not chunk
-            except ConnectionResetError:
-                closed = True
-            time.sleep(0.05)
-    # what the server made of the connection, for a failure to say why (it has been seen
-    # once in a long CI worker, with the connection's thread still alive, not understood)
-    table = [(c.hung_up, round(c.time_left(), 1)) for c in server._httpd._conns]
-    assert closed, (f"still reading after {time.monotonic() - t0:.1f} s ({got} bytes; threads "
-                    f"{[t.name for t in threading.enumerate()]}; the server's connections (hung up, "
-                    f"seconds to their deadline): {table})")
+    closed, got, took, state = read_slowly(serve(lambda: big), grace=10)
+    assert closed, f"still reading after {took:.1f} s ({got} bytes; {state})"
     assert got < len(big)
+
+
+def test_a_cut_connection_is_reset_even_while_a_file_object_of_its_socket_lives_on(serve, monkeypatch):
+    """A file object of the connection's socket that outlives its thread (here the handler's
+    rfile, kept; a traceback's frame can keep one) makes ``socket.close()`` wait for it: the
+    linger-0 reset is never sent and a slow reader drains the whole send queue, seconds past
+    the deadline (the signature of a CI failure of the test above: 739 KB read in 12 s). The
+    thread closes the fd itself."""
+    kept = []
+
+    def finish(self) -> None:  # the handler lets go of everything but its rfile
+        kept.append(self.rfile)
+        self.wfile.close()
+    monkeypatch.setattr(server_module._Handler, "finish", finish)
+    big = b"x" * (16 << 20)
+    closed, got, took, state = read_slowly(serve(lambda: big), grace=3)
+    assert closed, f"still reading after {took:.1f} s ({got} bytes; {state})"
+    assert got < len(big) and kept
 
 
 def test_close_frees_every_thread_and_fd_of_dripping_connections():
