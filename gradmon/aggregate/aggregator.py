@@ -91,7 +91,7 @@ class Aggregator:
         """Every counter, keyed by layer name rather than index, for :meth:`resume`."""
         return {**self.counts.saved(self.layer_names), "histogram": self.histogram.saved(),
                 "spike_steps": dict(self.spikes.spikes), "divergence": self.divergence.counters(),
-                "guard_skipped": self.guard.saved() if self.guard is not None else {}}
+                "guard_skipped": self.guard.saved() if self.guard is not None else ({}, None)}
 
     def resume(self, saved: Mapping[str, object]) -> None:
         """Continue the counters of an earlier monitor with the same model name and
@@ -102,7 +102,7 @@ class Aggregator:
         self.spikes.resume(saved.get("spike_steps", {}))  # type: ignore[arg-type]
         self.divergence.resume(saved.get("divergence", {}))  # type: ignore[arg-type]
         if self.guard is not None:
-            self.guard.resume(saved.get("guard_skipped", {}))  # type: ignore[arg-type]
+            self.guard.resume(*saved.get("guard_skipped", ({}, None)))  # type: ignore[misc]
 
     # -- folding -------------------------------------------------------------------
 

@@ -95,17 +95,15 @@ class GuardSkips:
     def series(self) -> Tuple[Tuple[str, int], ...]:
         return tuple(self.skipped.items())
 
-    def saved(self) -> Dict[str, object]:
-        """The counts by reason, and the latest skip (a later monitor of the same model
-        exports it until a skip of its own: its counters say a skip happened, the gauge
+    def saved(self) -> Tuple[Dict[str, int], Optional[Tuple[str, int]]]:
+        """The counts by reason, and the latest skip: a later monitor of the same model
+        exports it until a skip of its own (its counters say a skip happened, the gauge
         says which step)."""
-        return {"counts": dict(self.skipped), "last": self.last}
+        return dict(self.skipped), self.last
 
-    def resume(self, saved: Mapping[str, object]) -> None:
-        counts = saved.get("counts", {})
-        for reason, n in counts.items():  # type: ignore[union-attr]
+    def resume(self, counts: Mapping[str, int], last: Optional[Tuple[str, int]] = None) -> None:
+        for reason, n in counts.items():
             if reason in self.skipped:
                 self.skipped[reason] += n
-        last = saved.get("last")
-        if self.last is None and last is not None and last[0] in self.skipped:  # type: ignore[index]
-            self.last = tuple(last)  # type: ignore[assignment]
+        if self.last is None and last is not None and last[0] in self.skipped:
+            self.last = last
