@@ -241,11 +241,11 @@ def read_slowly(server, grace: float) -> Tuple[bool, int, float, str]:
 def test_a_slow_reader_of_a_large_body_is_cut_off_at_the_deadline(serve):
     """The reader sees the cut as a reset once the connection's thread, woken from its send
     by the reaper at the deadline, closes the socket. Until then the kernel keeps handing the
-    reader what the send buffer holds, and that thread needs this process's interpreter lock:
-    in a CI worker that has run hundreds of tests before this one it has taken more than
-    three seconds past the deadline (seen in clean-clone CI runs on two days), so the reader
-    is given ten; a reader that was not cut off would read for minutes (16 MB at 80 KB/s). The
-    deadline itself is held to a second by the keep-alive test above."""
+    reader what the send buffer holds. In CI workers that had run hundreds of tests this took
+    3 to 10 s and more past the deadline on three days; a file object of the socket that
+    outlived the thread kept it open (the next test), so the reader is given ten seconds; a
+    reader that was not cut off would read for minutes (16 MB at 80 KB/s). The deadline
+    itself is held to a second by the keep-alive test above."""
     big = b"x" * (16 << 20)
     closed, got, took, state = read_slowly(serve(lambda: big), grace=10)
     assert closed, f"still reading after {took:.1f} s ({got} bytes; {state})"
