@@ -242,8 +242,9 @@ def test_a_slow_reader_of_a_large_body_is_cut_off_at_the_deadline(serve):
     """The reader sees the cut as a reset once the connection's thread, woken from its send
     by the reaper at the deadline, closes the socket. Until then the kernel keeps handing the
     reader what the send buffer holds. In CI workers that had run hundreds of tests this took
-    3 to 10 s and more past the deadline on three days; a file object of the socket that
-    outlived the thread kept it open (the next test), so the reader is given ten seconds; a
+    3 to 10 s and more past the deadline on three days, most likely a file object of the
+    socket outliving the thread and keeping it open (the next test reproduces exactly that
+    and its fix), so the reader is given ten seconds; a
     reader that was not cut off would read for minutes (16 MB at 80 KB/s). The deadline
     itself is held to a second by the keep-alive test above."""
     big = b"x" * (16 << 20)
