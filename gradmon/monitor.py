@@ -70,6 +70,15 @@ def _unique_name(wanted: str, ended: Callable[[str], bool] = lambda name: False)
     return name
 
 
+def _started_in(incident: NonFiniteIncident) -> str:
+    """Where a run of non-finite steps started, for the log: the block whose forward output
+    (or the batch, ``input``) first held them, or that none of this rank's did: the
+    backward made them, or another rank's gradients did through the reduction."""
+    if incident.block is not None:
+        return f"in {incident.block}"
+    return "with this rank's forward finite (no block made them: the backward did, or another rank)"
+
+
 class Monitor:
     """The handle ``attach()`` returns. A context manager; ``detach()`` is idempotent."""
 
@@ -332,10 +341,10 @@ class Monitor:
         if starts and self._black_box is not None:
             self._black_box.write(incident)
         if starts or self.config.log_every_incident:
-            log.warning("gradmon[%s]: non-finite values on rank %d at step %d: started at step %s in %s, "
+            log.warning("gradmon[%s]: non-finite values on rank %d at step %d: started at step %s %s, "
                         "gradient first in layer %s, activation first in layer %s",
                         incident.model, incident.rank, incident.step,
-                        incident.origin_step if incident.origin_step is not None else "-", incident.block or "-",
+                        incident.origin_step if incident.origin_step is not None else "-", _started_in(incident),
                         incident.grad_layer or "-", incident.activation_layer or "-")
         if starts and self.config.on_nonfinite is not None:
             try:

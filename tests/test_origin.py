@@ -129,6 +129,20 @@ def test_a_nan_made_inside_a_middle_block_names_it_and_five_poisoned_steps_keep_
     assert "started at step 6 in 2" in caplog.text
 
 
+def test_a_nan_made_in_the_backward_is_logged_as_no_blocks_doing(attach, caplog):
+    """The forward stayed finite: the log says so in words rather than naming a block "-"."""
+    model = blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = attach(model)
+    poison = model[1].fc2.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    train(model, opt, 1)
+    poison.remove()
+    train(model, opt, 2)
+    assert mon.flush()
+    assert "started at step 1 with this rank's forward finite (no block made them" in caplog.text, caplog.text
+    assert "gradient first in layer 1.fc2" in caplog.text
+
+
 @pytest.mark.parametrize("per_layer, detail_every", [(True, 10), (False, 10), (True, 1)])
 def test_origin_per_layer_names_the_layer_on_a_non_detail_step(attach, per_layer, detail_every):
     model = blocks()
