@@ -20,6 +20,7 @@ import gradmon
 SYSTEM = {"test_demo.py", "test_e2e_alerts.py", "test_multigpu.py", "test_fleet.py", "test_stepguard_ranks.py"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.path.name
