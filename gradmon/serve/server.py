@@ -341,10 +341,13 @@ class _Server(socketserver.TCPServer):
         with self._lock:
             self._conns.pop(conn, None)
         self.shutdown_request(conn.sock)
-        # close() waits for every file object of the socket: one that outlives this thread (a
-        # traceback's frame still holding the handler's rfile) would keep a cut connection open
-        # and its linger-0 reset unsent, and a slow reader draining the send queue for seconds
-        _close_copy(conn.sock)
+
+    def close_request(self, request: socket.socket) -> None:  # type: ignore[override]
+        # socket.close() waits for every file object of the socket: one that outlives the
+        # connection's thread (a traceback's frame still holding the handler's rfile) would
+        # keep a cut connection open and its linger-0 reset unsent, and a slow reader
+        # draining the send queue for seconds
+        _close_copy(request)
 
     def service_actions(self) -> None:
         """The reaper: serve_forever calls this after every accept and every poll interval."""
