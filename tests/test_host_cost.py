@@ -164,6 +164,34 @@ def test_the_block_checks_of_an_ordinary_forward_are_one_batched_call(attach, mo
     assert batched == [13]
 
 
+
+def test_the_block_checks_of_a_detail_step_are_one_batched_call_too(attach, monkeypatch):
+    """A detail step reads every layer; its blocks (none a layer here) wait for the end of
+    the forward as on an ordinary step instead of one check each, and a NaN made in one of
+    them is still named on that very step."""
+    from gradmon.capture import kernels as stats
+    single, batched = [], []
+    real, real_many = stats.extremes, stats.extremes_many
+    monkeypatch.setattr(stats, "extremes", lambda x, *rows: single.append(x.shape) or real(x, *rows))
+    monkeypatch.setattr(stats, "extremes_many",
+                        lambda xs, home, *rows: batched.append(len(xs)) or real_many(xs, home, *rows))
+    torch.manual_seed(3)
+    model = nn.Sequential(*(Poisoned() for _ in range(12)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model, detail_every=4)
+    for _ in range(4):
+        sgd_step(model, opt, model)
+    assert mon._recorder.detail_now
+    single.clear(), batched.clear()
+    sgd_step(model, opt, model)  # step 5, a detail step
+    assert single == [] and batched == [13], (single, batched)
+    for step in range(6, 10):
+        model[6].poison = step == 9  # step 9: a detail step
+        sgd_step(model, opt, model)
+    found = {dict(ls)["tensor"]: (dict(ls)["layer"], v) for (n, ls), v in fresh(mon).items()
+             if n == "gradmon_nonfinite_origin_step"}
+    assert found["block"] == ("6", 9), found
+
 class Deep(nn.Module):
     """A model whose training loop may call a module two levels down: no root output, no
     top-level block output marks its backward."""

@@ -101,8 +101,9 @@ class Forward:
         self._outside_told = False
         if self.traced is not None:
             self.traced.arm(detail)
-        # on a detail step a block that is a layer takes its extremes from its activation record
-        self._defer_blocks = self._batch_blocks and not detail
+        # on a detail step too: only a block that is a layer is checked in its hook then,
+        # since its extremes come from its activation record (on_block)
+        self._defer_blocks = self._batch_blocks
 
     def want_layer_hooks(self) -> None:
         """The layers' hooks registered for the next step if it reads them, else removed;
@@ -155,7 +156,7 @@ class Forward:
 
     def _record_input(self, args: Any, kwargs: Any) -> None:
         """The batch's values, block record 0: a lone small input tensor waits for the end
-        of an ordinary step's forward with the blocks' small outputs, on the same terms
+        of a training forward with the blocks' small outputs, on the same terms
         (``BlockChecks.defer``); anything else is checked now (a large one, which the
         caller keeps alive, would be weighed as held by autograd only where a layer saves it)."""
         lane = self.lane
@@ -206,16 +207,20 @@ class Forward:
         self.on_forward(self.layer_keys[id(module)], module, inputs, output)
 
     def on_block(self, block: int, layer: Optional[int], module: nn.Module, inputs: Any, output: Any) -> None:
-        """A top-level block returned: its check waits for the end of the forward on an
-        ordinary step (:class:`BlockChecks`), else one small reduction now. Called alone,
+        """A top-level block returned: its check waits for the end of the forward
+        (:class:`BlockChecks`), else one small reduction now; on a detail step a block that
+        is a layer takes its extremes from the activation record just made. Called alone,
         outside the root's forward, its output marks the start of the backward."""
         if layer is not None:
             self.on_forward(layer, module, inputs, output)
+            if self.detail_now and self._output_has_extremes:  # taken from the record just made
+                self._check_block(block, module, output, defer=False)
+                return
         if not self._waits(block, module, output):
             self._check_block(block, module, output)
 
     def _waits(self, block: int, module: nn.Module, output: Any) -> bool:
-        """The ordinary step's path of a block already deferred, inside the root's training
+        """The lean path of a block already deferred, inside the root's training
         forward: its output joins the end-of-forward check (``BlockChecks.wait``). Run for
         every block of every forward, so with no guard object (a failure leaves the output to
         the guarded path, which checks it again and counts what fails) and on gradmon's clock
@@ -238,11 +243,11 @@ class Forward:
         charge with their timed checks."""
         return self._guard
 
-    def _check_block(self, block: int, module: nn.Module, output: Any) -> None:
+    def _check_block(self, block: int, module: nn.Module, output: Any, defer: bool = True) -> None:
         self.ran = True
         with self._guard("forward"):
             if self._training_forward(module):
-                if not (self._defer_blocks and self._rec.blocks.defer(block, output)):
+                if not (defer and self._defer_blocks and self._rec.blocks.defer(block, output)):
                     self._rec.record_values(S.BLOCK, block, output)
                 if not self._in_root:
                     self._watch_backward(output)

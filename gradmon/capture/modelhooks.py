@@ -62,7 +62,7 @@ class BlockForward:
     had), then ``check(module, args, output)``, as a forward hook would be called.
 
     With ``lanes`` (the monitor's ``Forward``), an output may skip ``check``: while
-    ``lanes.lane`` is a ``BlockChecks`` (inside a root's ordinary training forward, eager),
+    ``lanes.lane`` is a ``BlockChecks`` (inside a root's training forward, eager),
     the output of a block it has settled or holds (``key``) is kept there for the end of
     the forward: ``BlockChecks.wait``'s test, made inline (a call would cost as much as the
     test). Anything else goes to ``check``, which decides again. With ``timed``, that test

@@ -179,7 +179,8 @@ then waits too, for one launch with the others (``stats.extremes_held``)."""
 
 
 class BlockChecks:
-    """The ordinary step's non-finite check of the top-level blocks' outputs, batched.
+    """The non-finite check of the top-level blocks' outputs, batched (on a detail step
+    too, but for a block that is a layer: its activation record holds its extremes).
 
     A small plain tensor returned by a block is kept, with its version counter, until the
     root's forward returns; then all are checked at once. A later in-place op on it (a
