@@ -316,14 +316,17 @@ class ChangeInPlace(nn.Module):
         return x.mul_(1.0) if self.every_step else x * 1.0
 
 
+@pytest.mark.parametrize("detail_every", [20, 1], ids=["ordinary steps", "detail steps"])
 @pytest.mark.parametrize("every_step", [True, False], ids=["changed every step", "changed once"])
-def test_a_block_output_changed_in_place_later_is_not_blamed_for_the_change(attach, every_step):
+def test_a_block_output_changed_in_place_later_is_not_blamed_for_the_change(attach, every_step, detail_every):
     """The batched check reads a block's output at the end of the forward: one that a later
-    block changed in place (the version counter says so) must not carry that change."""
+    block changed in place (the version counter says so) must not carry that change; on a
+    detail step as on an ordinary one (the first block is no layer: its check waits then too)."""
     torch.manual_seed(4)
-    model = nn.Sequential(nn.Linear(8, 8), ChangeInPlace(every_step), nn.Linear(8, 8))
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), ChangeInPlace(every_step),
+                          nn.Linear(8, 8))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    mon = attach(model)
+    mon = attach(model, detail_every=detail_every)
     for step in range(6):
         model[1].poison = step == 4
         sgd_step(model, opt, model)
