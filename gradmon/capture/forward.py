@@ -70,6 +70,8 @@ class Forward:
         self._block, self._layer, self._grad_flow = bool(at(S.BLOCK)), bool(at(S.LAYER)), bool(at(S.OUTPUT_GRAD))
         # a record at OUTPUT that flags a layer's non-finite values (the activation statistic)
         self._output_has_extremes = any(st.origin == S.LAYER_FINITE.origin for st in at(S.OUTPUT))
+        # the blocks' checks wait for the end of each training forward, detail steps included:
+        # only a block that is a layer is checked in its hook on a detail step (on_block)
         self._batch_blocks = all(st.record_many is not None for st in at(S.BLOCK))
         self._rec = records
         self._guard = guard
@@ -89,7 +91,6 @@ class Forward:
         self.blocks = 0  # the root module's direct children: BLOCK keys 1..blocks
         self.layer_hooks: Optional[LayerHooks] = None  # set by HookSet.install
         self._in_root = False  # inside the root's forward
-        self._defer_blocks = False  # this step's block checks wait for the end of the forward
         # inside a root's (eager) training forward whose block checks wait: where the blocks'
         # outputs are kept, by their hooks' lean path and by their forwards (BlockForward)
         self.lane: Optional[BlockChecks] = None
@@ -101,9 +102,6 @@ class Forward:
         self._outside_told = False
         if self.traced is not None:
             self.traced.arm(detail)
-        # on a detail step too: only a block that is a layer is checked in its hook then,
-        # since its extremes come from its activation record (on_block)
-        self._defer_blocks = self._batch_blocks
 
     def want_layer_hooks(self) -> None:
         """The layers' hooks registered for the next step if it reads them, else removed;
@@ -141,7 +139,7 @@ class Forward:
         self._rec.blocks.drop()
         self._in_root = True
         training = self._training_forward(module)
-        self.lane = self._rec.blocks if self._defer_blocks and self._block and training else None
+        self.lane = self._rec.blocks if self._batch_blocks and self._block and training else None
         with self._guard("forward"):
             if training:
                 self._root_forward()
@@ -247,7 +245,7 @@ class Forward:
         self.ran = True
         with self._guard("forward"):
             if self._training_forward(module):
-                if not (defer and self._defer_blocks and self._rec.blocks.defer(block, output)):
+                if not (defer and self._batch_blocks and self._rec.blocks.defer(block, output)):
                     self._rec.record_values(S.BLOCK, block, output)
                 if not self._in_root:
                     self._watch_backward(output)
