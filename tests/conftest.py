@@ -82,6 +82,13 @@ def value(samples: Dict[Key, float], name: str, **labels: str) -> float:
     return hits[0]
 
 
+
+def origins(samples: Dict[Key, float]) -> Dict[str, Tuple[str, float]]:
+    """Where the latest non-finite run started, by tensor (``block``, ``activation``,
+    ``grad``): (the layer or block named, its first step)."""
+    return {dict(ls)["tensor"]: (dict(ls)["layer"], v) for (n, ls), v in samples.items()
+            if n == "gradmon_nonfinite_origin_step"}
+
 def tiny() -> torch.nn.Module:
     """Two Linear layers (``0`` and ``2``) around a Tanh: the smallest model with layers to name."""
     torch.manual_seed(0)

@@ -8,14 +8,14 @@ import contextlib
 import math
 import os
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import pytest
 import torch
 from torch import nn
 
 import gradmon
-from conftest import fresh, value
+from conftest import fresh, origins, value
 
 GRADMON_DIR = os.path.dirname(gradmon.__file__)
 # what gradmon leaves in the model (a block's forward, a hook) only calls through: the entry
@@ -144,13 +144,21 @@ def test_a_detail_step_still_records_every_layer(attach):
     assert "layer_hook" not in seen.names  # and gone again after it
 
 
-def test_the_block_checks_of_an_ordinary_forward_are_one_batched_call(attach, monkeypatch):
+def block_checks(monkeypatch) -> Tuple[List[torch.Size], List[int]]:
+    """The block checks gradmon makes from here on: the shape of each output checked alone,
+    and the size of each batch checked at once."""
     from gradmon.capture import kernels as stats
-    single, batched = [], []
+    single: List[torch.Size] = []
+    batched: List[int] = []
     real, real_many = stats.extremes, stats.extremes_many
     monkeypatch.setattr(stats, "extremes", lambda x, *rows: single.append(x.shape) or real(x, *rows))
     monkeypatch.setattr(stats, "extremes_many",
                         lambda xs, home, *rows: batched.append(len(xs)) or real_many(xs, home, *rows))
+    return single, batched
+
+
+def test_the_block_checks_of_an_ordinary_forward_are_one_batched_call(attach, monkeypatch):
+    single, batched = block_checks(monkeypatch)
     model = chain(12)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     mon = attach(model)
@@ -164,17 +172,11 @@ def test_the_block_checks_of_an_ordinary_forward_are_one_batched_call(attach, mo
     assert batched == [13]
 
 
-
 def test_the_block_checks_of_a_detail_step_are_one_batched_call_too(attach, monkeypatch):
     """A detail step reads every layer; its blocks (none a layer here) wait for the end of
     the forward as on an ordinary step instead of one check each, and a NaN made in one of
     them is still named on that very step."""
-    from gradmon.capture import kernels as stats
-    single, batched = [], []
-    real, real_many = stats.extremes, stats.extremes_many
-    monkeypatch.setattr(stats, "extremes", lambda x, *rows: single.append(x.shape) or real(x, *rows))
-    monkeypatch.setattr(stats, "extremes_many",
-                        lambda xs, home, *rows: batched.append(len(xs)) or real_many(xs, home, *rows))
+    single, batched = block_checks(monkeypatch)
     torch.manual_seed(3)
     model = nn.Sequential(*(Poisoned() for _ in range(12)))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -188,9 +190,9 @@ def test_the_block_checks_of_a_detail_step_are_one_batched_call_too(attach, monk
     for step in range(6, 10):
         model[6].poison = step == 9  # step 9: a detail step
         sgd_step(model, opt, model)
-    found = {dict(ls)["tensor"]: (dict(ls)["layer"], v) for (n, ls), v in fresh(mon).items()
-             if n == "gradmon_nonfinite_origin_step"}
+    found = origins(fresh(mon))
     assert found["block"] == ("6", 9), found
+
 
 class Deep(nn.Module):
     """A model whose training loop may call a module two levels down: no root output, no
@@ -330,9 +332,8 @@ def test_a_block_output_changed_in_place_later_is_not_blamed_for_the_change(atta
     for step in range(6):
         model[1].poison = step == 4
         sgd_step(model, opt, model)
-    found = {dict(ls)["tensor"]: dict(ls)["layer"] for (n, ls), v in fresh(mon).items()
-             if n == "gradmon_nonfinite_origin_step"}
-    assert found["block"] == "1", found
+    found = origins(fresh(mon))
+    assert found["block"][0] == "1", found
 
 
 class Poisoned(nn.Module):
@@ -360,8 +361,7 @@ def test_a_nan_of_an_ordinary_step_names_its_block_whichever_path_its_check_took
         model[key - 1].poison = step == 4
         sgd_step(model, opt, model)
     assert not mon._recorder.detail_now
-    found = {dict(ls)["tensor"]: (dict(ls)["layer"], v) for (n, ls), v in fresh(mon).items()
-             if n == "gradmon_nonfinite_origin_step"}
+    found = origins(fresh(mon))
     assert found["block"] == (str(key - 1), 5), found  # the fifth step
 
 

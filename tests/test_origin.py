@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import fresh, value
+from conftest import fresh, origins, value
 
 
 class Block(nn.Module):
@@ -39,11 +39,6 @@ def train(model, opt, steps, batch=lambda step: torch.randn(4, 8), before=lambda
         model(batch(step)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-
-
-def origins(s):
-    return {dict(ls)["tensor"]: (dict(ls)["layer"], v) for (n, ls), v in s.items()
-            if n == "gradmon_nonfinite_origin_step"}
 
 
 def test_a_nan_in_the_batch_on_a_non_detail_step_is_named_input(attach):
