@@ -241,12 +241,12 @@ def read_slowly(server, grace: float) -> Tuple[bool, int, float, str]:
 def test_a_slow_reader_of_a_large_body_is_cut_off_at_the_deadline(serve):
     """The reader sees the cut as a reset once the connection's thread, woken from its send
     by the reaper at the deadline, closes the socket. Until then the kernel keeps handing the
-    reader what the send buffer holds. In CI workers that had run hundreds of tests this took
-    3 to 10 s and more past the deadline on three days, most likely a file object of the
-    socket outliving the thread and keeping it open (the next test reproduces exactly that
-    and its fix), so the reader is given ten seconds; a
-    reader that was not cut off would read for minutes (16 MB at 80 KB/s). The deadline
-    itself is held to a second by the keep-alive test above."""
+    reader what the send buffer holds. In CI workers this took 3 to 10 s and more past the
+    deadline on four days: the connection's thread, its write timed out at the deadline before
+    the reaper came, closed the socket without the reset (the test after the next reproduces
+    that and its fix; the next one a file object keeping the socket open), so the reader is
+    given ten seconds; a reader that was not cut off would read for minutes (16 MB at 80 KB/s).
+    The deadline itself is held to a second by the keep-alive test above."""
     big = b"x" * (16 << 20)
     closed, got, took, state = read_slowly(serve(lambda: big), grace=10)
     assert closed, f"still reading after {took:.1f} s ({got} bytes; {state})"
@@ -270,6 +270,19 @@ def test_a_cut_connection_is_reset_even_while_a_file_object_of_its_socket_lives_
     assert closed, f"still reading after {took:.1f} s ({got} bytes; {state})"
     assert got < len(big) and kept
 
+
+
+def test_a_connection_whose_own_write_times_out_at_the_deadline_is_reset_too(serve, monkeypatch):
+    """Each write is bounded by what is left of the deadline, so the connection's thread can
+    reach the deadline before the reaper does: its send times out, it ends and closes the fd.
+    That close must be the reset too, or the kernel goes on handing a slow reader the send
+    queue for seconds (a CI failure of the slow-reader test above: 735 KB in 12 s, the thread
+    gone). Here the reaper never runs, so the thread's own timeout is the only cut."""
+    monkeypatch.setattr(server_module._Server, "service_actions", lambda self: None)
+    big = b"x" * (16 << 20)
+    closed, got, took, state = read_slowly(serve(lambda: big), grace=3)
+    assert closed, f"still reading after {took:.1f} s ({got} bytes; {state})"
+    assert got < len(big)
 
 def test_close_frees_every_thread_and_fd_of_dripping_connections():
     threads0, fds0 = threads_and_fds()

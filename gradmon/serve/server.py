@@ -340,6 +340,10 @@ class _Server(socketserver.TCPServer):
         # out of the table before the fd closes, so the reaper never shuts down a reused fd
         with self._lock:
             self._conns.pop(conn, None)
+        if not conn.hung_up and conn.time_left() <= 0:
+            # the thread's own write timed out at the deadline before the reaper came: the
+            # same cut, so the same reset, or a slow reader is handed the send queue for seconds
+            conn.hang_up()
         self.shutdown_request(conn.sock)
 
     def close_request(self, request: socket.socket) -> None:  # type: ignore[override]
