@@ -237,11 +237,14 @@ class Statistic:
     not read again. A layer that is also one of the root's direct children (an LLM's
     embedding, final norm and head, whose output, the logits, is its largest tensor) has
     its block extremes in the activation record of a detail step."""
-    record_many: Optional[Callable[[Sequence[torch.Tensor], torch.device], Tuple[torch.Tensor, ...]]] = None
-    """For a statistic recorded every step of many small tensors (BLOCK): ``record_many(
-    tensors, home)`` returns one (n, width) block per part and, last, the row order (row j
+    record_many: Optional[Callable[[Sequence[torch.Tensor], torch.device, Any], Tuple[torch.Tensor, ...]]] = None
+    """For a statistic of many small tensors recorded at once at the end of a forward (the
+    blocks' outputs every step, the layers' on a detail step): ``record_many(tensors, home,
+    stacked)`` returns one (n, width) block per part and, last, the row order (row j
     describes ``tensors[order[j]]``): a few kernels for all of a forward's records where
-    ``record`` would launch its own per tensor."""
+    ``record`` would launch its own per tensor. ``stacked``: the tensors stacked
+    (``kernels.stack_alike``, or ``kernels.Stacks`` by shape), or False where they do not
+    stack. Its records must equal ``record``'s (a tensor may take either path)."""
     dtypes: Optional[Tuple[torch.dtype, ...]] = None
     """Record only tensors of these dtypes (None: every floating dtype). A layer none of
     whose tensors qualifies has no record, hence no series: the dtype is host metadata,
@@ -362,6 +365,7 @@ ACTIVATION = Statistic(
     "activation", "activations", OUTPUT,
     ((Column("norm", NORM),) + _EXTREMES, _COUNTS),
     lambda output: stats.activation_record(output),
+    record_many=lambda outputs, home, stacked: stats.activation_many(outputs, home, stacked),
     gauges=(LayerGauge(M.ACTIVATION_RMS, _rms, panel=Panel("Activation RMS by layer", log=True)),
             LayerGauge(M.ACTIVATION_ABS_MAX, _abs_max, worst=M.ACTIVATION_ABS_MAX_WORST,
                        panel=Panel("Activation max |x| by layer", log=True,
@@ -386,6 +390,7 @@ ACTIVATION_KURTOSIS = Statistic(
     "activation_kurtosis", ("activations", "activation_kurtosis"), OUTPUT,
     (tuple(Column(name, MOMENTS) for name in MOMENT_COLUMNS),),
     lambda output: stats.moments_record(output),
+    record_many=lambda outputs, home, stacked: stats.moments_many(outputs, home, stacked),
     gauges=(LayerGauge(M.ACTIVATION_KURTOSIS, _kurtosis, panel=Panel(
         "Activation kurtosis by layer", log=True,
         description="A Gaussian is 3; outlier features push it far up long before max |x| overflows.")),), detail=True,
@@ -433,7 +438,7 @@ BLOCK_FINITE = Statistic(
     "block_finite", None, BLOCK, ((Column("lo", MIN),), (Column("hi", MAX),)),
     lambda output: stats.finite_check(output), origin=M.TENSOR_BLOCK,
     derive=("activation", lambda parts: (parts[0][1], parts[0][2])),
-    record_many=lambda outputs, home: stats.extremes_many(outputs, home))
+    record_many=lambda outputs, home, stacked: stats.extremes_many(outputs, home, stacked=stacked))
 
 # The same, per layer and on every step when asked for (origin_per_layer): the layer a
 # NaN started in is then named on any step, not only on detail steps.

@@ -54,12 +54,18 @@ class Twice(nn.Module):
 
 # -- kurtosis -----------------------------------------------------------------------------
 
-def test_kurtosis_of_a_layer_equals_the_float64_kurtosis_of_its_flattened_outputs(attach):
+@pytest.mark.parametrize("steps", [1, 3], ids=["first detail step", "later detail step"])
+def test_kurtosis_of_a_layer_equals_the_float64_kurtosis_of_its_flattened_outputs(attach, steps):
+    """On the first detail step each output is sampled in its layer's hook; on the later
+    ones all of them at the end of the forward (capture/forward.py): the same samples."""
     torch.manual_seed(0)
     model = Twice()
     outputs = capture_outputs({"inner": model.inner, "head": model.head})
     mon = attach(model, detail_every=1)
-    step(model, torch.randn(64, 6) ** 3)  # heavy-tailed inputs: kurtosis far from 3
+    for _ in range(steps):
+        for seen in outputs.values():
+            seen.clear()
+        step(model, torch.randn(64, 6) ** 3)  # heavy-tailed inputs: kurtosis far from 3
     mon.flush()
     s = scrape(mon.url)
     assert len(outputs["inner"]) == 2

@@ -194,6 +194,124 @@ def test_the_block_checks_of_a_detail_step_are_one_batched_call_too(attach, monk
     assert found["block"] == ("6", 9), found
 
 
+def test_the_layer_records_of_a_later_detail_step_are_made_at_once(attach, monkeypatch):
+    """The first detail step records each layer's output in its hook (and learns which stay
+    unchanged until the end of the forward); the later ones record them all at once there:
+    one batched call for the activations and one for the kurtosis samples, none per layer,
+    the gradient flow still read per layer, and a NaN made in a layer named on that step,
+    its elements counted."""
+    from gradmon.capture import kernels
+    one: List[int] = []
+    many: List[int] = []
+    for name in ("activation_record", "moments_record"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda x, *a, real=real: one.append(x.numel()) or real(x, *a))
+    for name in ("activation_many", "moments_many"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda xs, *a, real=real: many.append(len(xs)) or real(xs, *a))
+    model = nn.Sequential(*(Poisoned() for _ in range(12)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model, detail_every=2)
+    layers = len(mon.layers)
+    sgd_step(model, opt, model)  # step 1, the first detail step
+    assert len(one) == 2 * layers and many == [], (one, many)
+    one.clear()
+    sgd_step(model, opt, model)  # step 2: no layer read
+    sgd_step(model, opt, model)  # step 3, a later detail step
+    assert one == [] and many == [layers, layers], (one, many)
+    flow = value(fresh(mon), "gradmon_grad_flow_norm", layer="11.fc")
+    assert flow > 0 and math.isfinite(flow)
+    sgd_step(model, opt, model)  # step 4
+    with torch.no_grad():
+        model[3].fc.weight[0, 0] = float("nan")
+    sgd_step(model, opt, model)  # step 5, a detail step: the NaN starts in layer 3.fc
+    s = fresh(mon)
+    assert origins(s)["activation"] == ("3.fc", 5), origins(s)
+    assert value(s, "gradmon_nonfinite_total", layer="3.fc", tensor="activation", kind="nan") == 4  # column 0 of each of the 4 rows
+    assert value(s, "gradmon_nonfinite_total", layer="2.fc", tensor="activation", kind="nan") == 0
+
+
+class Leaves(nn.Module):
+    """A root whose direct children are layers: on a detail step each one's block record is
+    taken from its activation record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def test_a_failure_of_the_batched_activation_records_costs_them_alone(attach, monkeypatch):
+    """The activations of a later detail step failing (counted): the kurtosis is still
+    recorded, and the blocks whose records would have been taken from the activations are
+    read themselves, so a NaN is still named in its block on that step."""
+    from gradmon.capture import kernels
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+    model = Leaves()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = attach(model, detail_every=1)
+    sgd_step(model, opt, model)  # the first detail step: recorded in the hooks
+    monkeypatch.setattr(kernels, "activation_many", boom)
+    kurtosis = value(fresh(mon), "gradmon_activation_kurtosis", layer="fc2")
+    sgd_step(model, opt, lambda x: model(x * 3))
+    s = fresh(mon)
+    assert value(s, "gradmon_hook_errors_total", stage="forward") == 1
+    assert value(s, "gradmon_activation_kurtosis", layer="fc2") != kurtosis  # this step's, made without them
+    with torch.no_grad():
+        model.fc2.weight[0, 0] = float("nan")
+    sgd_step(model, opt, model)  # step 3
+    s = fresh(mon)
+    assert value(s, "gradmon_hook_errors_total", stage="forward") == 2
+    assert origins(s)["block"] == ("fc2", 3), origins(s)
+
+
+class InPlaceAfter(nn.Module):
+    """A layer whose output the block changes in place after it returned, on some steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if self.scale:
+            y.mul_(1000.0)
+        return torch.tanh(y)
+
+
+def test_a_layer_output_changed_in_place_after_it_returned_is_never_read_changed(attach):
+    """A layer output whose record waited for the end of a detail step's forward and was
+    changed in place meanwhile loses that record (the value it returned is gone); its layer
+    is recorded in its hook again from then on, the value it returned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), InPlaceAfter(), nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen: List[float] = []
+    model[1].fc.register_forward_hook(lambda m, i, o: seen.append(o.detach().abs().max().item()))
+    mon = attach(model, detail_every=1)
+    x = torch.randn(4, 8)
+
+    def step() -> float:
+        seen.clear()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return value(fresh(mon), "gradmon_activation_abs_max", layer="1.fc")
+
+    first = step()  # probed in its hook: unchanged until the end, so it waits from now on
+    assert first == pytest.approx(seen[0])
+    model[1].scale = True
+    assert step() == pytest.approx(first)  # its waiting output was changed: no record, never the changed one
+    assert step() == pytest.approx(seen[0])  # back in its hook: the value it returned
+    assert seen[0] == pytest.approx(first)
+
+
 class Deep(nn.Module):
     """A model whose training loop may call a module two levels down: no root output, no
     top-level block output marks its backward."""
@@ -667,3 +785,44 @@ def test_a_deferred_block_whose_output_has_no_version_counter_never_raises_into_
         model[1].inference = step >= 3  # blocks settled by then: their outputs wait
         sgd_step(model, opt, model)
     assert mon._recorder.steps == 6
+
+
+def _outputs(kind: str) -> Tuple[List[torch.Tensor], object]:
+    """Layer outputs as a detail step's forward may leave them, and how they are stacked:
+    of one shape (stacked), of a few shapes (stacked by shape) or of shapes that are not
+    stacked (each by segment of one flat copy); a NaN, an Inf of each sign, and a bfloat16 one."""
+    from gradmon.capture import kernels
+    torch.manual_seed(0)
+    shapes = {"one shape": [(4, 8)] * 5, "a few shapes": [(4, 8), (4, 16), (4, 8), (4, 16), (2, 3)],
+              "flat": [(4, 8), (4, 16), (7,), (3, 5, 2), (1,)]}[kind]
+    tensors = [torch.randn(shape) * (i + 1) for i, shape in enumerate(shapes)]
+    tensors[1].view(-1)[3] = float("nan")
+    tensors[2].view(-1)[0], tensors[2].view(-1)[-1] = float("inf"), float("-inf")
+    if kind == "flat":
+        tensors[4] = tensors[4].to(torch.bfloat16)
+    stacked = {"one shape": True, "a few shapes": kernels.stack_by_shape(tensors), "flat": False}[kind]
+    return tensors, stacked
+
+
+@pytest.mark.parametrize("kind", ["one shape", "a few shapes", "flat"])
+def test_the_records_of_many_outputs_at_once_are_the_records_of_each(kind):
+    """``activation_many`` and ``moments_many`` against the records made one output at a
+    time (a layer's output takes either path, and both fold into the same series)."""
+    from gradmon.capture import kernels
+    tensors, stacked = _outputs(kind)
+    if kind == "a few shapes":
+        assert isinstance(stacked, kernels.Stacks) and len(stacked.stacks) == 3
+    rows, counts, order = kernels.activation_many(tensors, torch.device("cpu"), stacked)
+    assert sorted(order) == list(range(len(tensors))) and rows.shape == (5, 3) and counts.shape == (5, 2)
+    for j, i in enumerate(order):
+        want, want_counts = kernels.activation_record(tensors[i])
+        got = rows[j].tolist()
+        assert got[0] == pytest.approx(want[0].item(), rel=1e-6, nan_ok=True), (i, got)
+        assert got[1:] == pytest.approx(want[1:].double().tolist(), nan_ok=True), (i, got)
+        assert counts[j].tolist() == want_counts.double().tolist(), i
+    finite = [t.nan_to_num(0.0, 0.0, 0.0).double() * 3 for t in tensors]  # moments of finite values
+    got, order = kernels.moments_many(finite, torch.device("cpu"), kernels.stack_by_shape(finite)
+                                      if kind == "a few shapes" else stacked is True, limit=8)
+    want = kernels.moments_block([kernels.moments_record(finite[i], limit=8)[0] for i in order],
+                                 [finite[i].numel() for i in order], torch.device("cpu"))
+    assert torch.allclose(got, want, rtol=1e-9), (got, want)

@@ -243,19 +243,21 @@ def test_context_manager_detaches_on_error():
 
 # -- errors inside gradmon ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("target, stage", [
-    ("activation_record", "forward"),
-    ("gradient_record", "grad_flow"),
-    ("param_grad_stats", "backward"),
-    ("pack", "step"),
+@pytest.mark.parametrize("targets, stage", [
+    # a detail step's activations are recorded in each layer's hook on the first, at once after
+    (("activation_record", "activation_many"), "forward"),
+    (("gradient_record",), "grad_flow"),
+    (("param_grad_stats",), "backward"),
+    (("pack",), "step"),
 ])
-def test_errors_inside_hooks_are_counted_logged_once_and_never_raised(monkeypatch, attach, caplog, target, stage):
+def test_errors_inside_hooks_are_counted_logged_once_and_never_raised(monkeypatch, attach, caplog, targets, stage):
     from gradmon.capture import kernels as stats
 
     def boom(*a, **k):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(stats, target, boom)
+    for target in targets:
+        monkeypatch.setattr(stats, target, boom)
     model = mlp()
     mon = attach(model, detail_every=1)
     train(model, 3)  # must not raise

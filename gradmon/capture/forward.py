@@ -13,6 +13,7 @@ value the layer returned, which is exactly gradient flow, and covers the same la
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -73,6 +74,9 @@ class Forward:
         # the blocks' checks wait for the end of each training forward, detail steps included:
         # only a block that is a layer is checked in its hook on a detail step (on_block)
         self._batch_blocks = all(st.record_many is not None for st in at(S.BLOCK))
+        # a detail step's layer outputs are recorded at the end of the forward too, where every
+        # statistic recorded of them can be made many at once
+        self._batch_outputs = bool(at(S.OUTPUT)) and all(st.record_many is not None for st in at(S.OUTPUT))
         self._rec = records
         self._guard = guard
         self._errors = errors
@@ -94,6 +98,8 @@ class Forward:
         # inside a root's (eager) training forward whose block checks wait: where the blocks'
         # outputs are kept, by their hooks' lean path and by their forwards (BlockForward)
         self.lane: Optional[BlockChecks] = None
+        # likewise the layers' outputs, inside a detail step's root training forward
+        self._outputs: Optional[BlockChecks] = None
         self.collector = CollectorPause()  # from a detail step's first training forward to its close
 
     def next_step(self, detail: bool) -> None:
@@ -137,9 +143,11 @@ class Forward:
         self.ran = True
         self._rec.drop_pending(*S.FORWARD)
         self._rec.blocks.drop()
+        self._rec.drop_outputs()
         self._in_root = True
         training = self._training_forward(module)
         self.lane = self._rec.blocks if self._batch_blocks and self._block and training else None
+        self._outputs = self._rec.outputs if self._batch_outputs and self.detail_now and training else None
         with self._guard("forward"):
             if training:
                 self._root_forward()
@@ -168,8 +176,9 @@ class Forward:
         that raised (out of memory, say) leaves them unchecked, and none may stay held: a
         retry must find the memory free."""
         self._in_root = False
-        self.lane = None
+        self.lane = self._outputs = None
         self._rec.blocks.drop()
+        self._rec.drop_outputs()
 
     # The hooks registered on blocks and layers carry no index of their own (a partial's
     # arguments are guarded when compiled, so identical blocks compiled one by one would
@@ -210,9 +219,12 @@ class Forward:
         is a layer takes its extremes from the activation record just made. Called alone,
         outside the root's forward, its output marks the start of the backward."""
         if layer is not None:
-            self.on_forward(layer, module, inputs, output)
-            if self.detail_now and self._output_has_extremes:  # taken from the record just made
-                self._check_block(block, module, output, defer=False)
+            waits = self._layer_returned(layer, module, output)
+            if self.detail_now and self._output_has_extremes:
+                if waits:  # taken from the activation rows made at the end of the forward
+                    self._rec.derived[layer] = [block]
+                else:  # taken from the record just made
+                    self._check_block(block, module, output, defer=False)
                 return
         if not self._waits(block, module, output):
             self._check_block(block, module, output)
@@ -251,9 +263,15 @@ class Forward:
                     self._watch_backward(output)
 
     def on_forward(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
+        """A layer returned (a forward hook: it returns None, or it would replace the output)."""
+        self._layer_returned(layer, module, output)
+
+    def _layer_returned(self, layer: int, module: nn.Module, output: Any) -> bool:
+        """:meth:`on_forward`; whether the layer's detail records wait for the end of the forward."""
         self.ran = True
         if not (self.detail_now or self._layer):
-            return
+            return False
+        waits = False
         with self._guard("forward"):
             if self._training_forward(module):
                 if not (self._in_root or self._outside_told):
@@ -263,8 +281,23 @@ class Forward:
                 if not (self.detail_now and self._output_has_extremes):
                     self._rec.record_values(S.LAYER, layer, output)
                 if self.detail_now:
-                    self._rec.record_values(S.OUTPUT, layer, output,
-                                            self.on_grad_flow if self._grad_flow else None)
+                    waits = self._output_waits(layer, output)
+                    if not waits:
+                        self._rec.record_values(S.OUTPUT, layer, output,
+                                                self.on_grad_flow if self._grad_flow else None)
+        return waits
+
+    def _output_waits(self, layer: int, output: Any) -> bool:
+        """A detail step's small layer output, known from an earlier detail
+        step to stay unchanged until the end of the forward (``BlockChecks.defer``), waits
+        for it, to be recorded with the others at once (``StepRecords.flush_outputs``); its
+        gradient-flow hook goes on now, before any in-place op can change it."""
+        lanes = self._outputs
+        if lanes is None or not lanes.defer(layer, output):
+            return False
+        if self._grad_flow and output.requires_grad:
+            output.register_hook(partial(self.on_grad_flow, layer))
+        return True
 
     def on_grad_flow(self, layer: int, grad: torch.Tensor) -> None:
         if not self.active or grad is None:
@@ -284,12 +317,14 @@ class Forward:
             if self._traced_forward(module) and self._block:
                 self.traced.record(module, traced.OUTPUT, output)
             return
-        self.lane = None  # the blocks' outputs kept so far are checked now; none is kept after
+        self.lane = self._outputs = None  # the outputs kept so far are measured now; none is kept after
         if not self.active:
             return
         with self._guard("forward"):
             self.take_traced()  # the top-level blocks compiled one by one (torchtitan's way)
-            self._rec.flush_blocks(self._record_root_output(module, output))
+            alias = self._record_root_output(module, output)
+            self._rec.flush_outputs()
+            self._rec.flush_blocks(alias)
             self._rec.end_of_pass()
             self._rec.commit(self._rec.each(*S.FORWARD), "forward")
             self._rec.rows.commit()
@@ -309,7 +344,8 @@ class Forward:
                 last = self._rec.blocks.last()
                 if last is not None and output is last[1] and output._version == last[2]:
                     return (self.blocks + 1,)
-                self._rec.record_values(S.BLOCK, self.blocks + 1, output)
+                if not self._rec.derives_last(output, self.blocks + 1):
+                    self._rec.record_values(S.BLOCK, self.blocks + 1, output)
         except Exception as exc:
             self._errors.record("forward", exc)
         return ()

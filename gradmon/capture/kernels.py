@@ -306,7 +306,14 @@ def moments_block(samples: Sequence[torch.Tensor], numels: Sequence[int], home: 
     lengths = tuple(t.numel() for t in samples)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in samples) else torch.float32
     scratch = scratch or Scratch()
-    block = scratch.padded("moments", samples, dtype, home)
+    return _moments(scratch.padded("moments", samples, dtype, home), lengths, numels, home, scratch)
+
+
+def _moments(block: torch.Tensor, lengths: Sequence[int], numels: Sequence[int], home: torch.device,
+             scratch: Scratch) -> torch.Tensor:
+    """:func:`moments_block`'s rows of ``block``, the samples as zero-padded rows of
+    ``lengths`` elements (float32 or float64, on ``home``; overwritten)."""
+    dtype, lengths = block.dtype, tuple(lengths)
     n = host_values(lengths, home, dtype).unsqueeze(1)
     mean = block.sum(1, keepdim=True) / n
     # in place where it can be: on the CPU every fresh block-sized tensor is fresh pages
@@ -501,7 +508,10 @@ def _segment_counts(group: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.
     a handful of kernels where counting each tensor costs five. On an accelerator, which
     cannot skip counting finite gradients without a host read, this runs every step.
     Exact: a small tensor holds fewer elements than float32 counts exactly."""
-    flat, lengths = _flat(group)
+    return _counts_by_segment(*_flat(group), dtype)
+
+
+def _counts_by_segment(flat: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([torch.segment_reduce(mask.to(dtype), "sum", lengths=lengths, unsafe=True)
                         for mask in (torch.isnan(flat), torch.isinf(flat))], dim=1)
 
@@ -759,6 +769,86 @@ def _extremes_stacked(x: torch.Tensor, home: torch.device, batch: Optional[int],
     ship = _ship_dtype(home)
     return (lo.to(home, ship, non_blocking=True).unsqueeze(1), hi.to(home, ship, non_blocking=True).unsqueeze(1),
             tuple(range(n)))
+
+
+@torch.no_grad()  # read, never differentiated
+def activation_many(tensors: Sequence[torch.Tensor], home: torch.device,
+                    stacked: Union[torch.Tensor, "Stacks", bool] = True
+                    ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """:func:`activation_record` of many small outputs at once (the layers' outputs of a
+    detail step's forward): ((n, 3) [L2 norm, min, max] in float64, (n, 2) [NaN, Inf]
+    counts, row order), a few kernels in all where the record of each launched its own.
+    Stacked outputs (``stacked``, as :func:`extremes_many` takes it) are reduced along their
+    rows; others by segment of their flat copy, per device and dtype. As in the record of
+    one output, the squares are taken in the outputs' dtype (a finite norm still proves its
+    output finite) and the counts are read only where a norm is not finite (on an
+    accelerator: always)."""
+    if stacked is True:
+        stacked = stack_alike(tensors)
+    if isinstance(stacked, torch.Tensor):
+        return (*_activation_rows(stacked.view(len(tensors), -1)), tuple(range(len(tensors))))
+    if isinstance(stacked, Stacks):
+        made = [_activation_rows(x.view(x.shape[0], -1)) for x in stacked.stacks]
+        order = tuple(itertools.chain.from_iterable(stacked.positions))
+    else:
+        made, order = [], ()
+        for (_device, dtype, _small), idx in _groups(tensors, (), split_small=False).items():
+            group = [tensors[i] for i in idx]
+            flat, lengths = _flat(group)
+            if dtype in _LOW_PRECISION:
+                flat = flat.float()
+            norm = torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
+            lo = torch.segment_reduce(flat, "min", lengths=lengths, unsafe=True)
+            hi = torch.segment_reduce(flat, "max", lengths=lengths, unsafe=True)
+            counts = (torch.zeros((len(group), 2), dtype=torch.float64) if _host_says_finite(norm)
+                      else _counts_by_segment(flat, lengths, torch.float64))
+            made.append((torch.stack((norm, lo.double(), hi.double()), dim=1).to(home, non_blocking=True),
+                         counts.to(home, non_blocking=True)))
+            order += tuple(idx)
+    if len(made) == 1:
+        return (*made[0], order)
+    return torch.cat([m[0] for m in made]), torch.cat([m[1] for m in made]), order
+
+
+def _activation_rows(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`activation_many`'s two blocks of the (n, k) CPU rows ``v``, one output each."""
+    if v.dtype in _LOW_PRECISION:
+        v = v.float()
+    norm = (v * v).double().sum(dim=1).sqrt_()
+    rows = torch.stack((norm, v.amin(dim=1).double(), v.amax(dim=1).double()), dim=1)
+    if _host_says_finite(norm):
+        return rows, torch.zeros((v.shape[0], 2), dtype=torch.float64)
+    return rows, torch.stack((torch.isnan(v).sum(dim=1), torch.isinf(v).sum(dim=1)), dim=1).double()
+
+
+@torch.no_grad()  # read, never differentiated
+def moments_many(tensors: Sequence[torch.Tensor], home: torch.device,
+                 stacked: Union[torch.Tensor, "Stacks", bool] = True, limit: int = MOMENTS_SAMPLE
+                 ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """(:func:`moments_block`'s rows, row order) of many small outputs at once: each one's
+    sample (:func:`sample`) as its record would take it, read from the stacks as one
+    strided copy per stack where ``stacked`` has them."""
+    if stacked is True:
+        stacked = stack_alike(tensors)
+    if isinstance(stacked, torch.Tensor):
+        return _moments_stacked(stacked, home, limit), tuple(range(len(tensors)))
+    if isinstance(stacked, Stacks):
+        rows = torch.cat([_moments_stacked(x, home, limit) for x in stacked.stacks])
+        return rows, tuple(itertools.chain.from_iterable(stacked.positions))
+    return (moments_block([sample(t, limit) for t in tensors], list(map(torch.Tensor.numel, tensors)), home),
+            tuple(range(len(tensors))))
+
+
+def _moments_stacked(x: torch.Tensor, home: torch.device, limit: int) -> torch.Tensor:
+    n = x.shape[0]
+    per = x.numel() // n
+    stride = _sample_stride(tuple(x.shape[1:]), per, limit)
+    rows = x.view(n, -1)
+    picked = rows[:, ::stride] if stride > 1 else rows
+    block = torch.empty(picked.shape, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
+                        device=x.device)
+    block.copy_(picked)  # a copy of its own: the moments overwrite it
+    return _moments(block.to(home, non_blocking=True), (picked.shape[1],) * n, (per,) * n, home, Scratch())
 
 
 def _by_rows(flat: torch.Tensor, group: Sequence[torch.Tensor], split: Sequence[bool], batch: int,

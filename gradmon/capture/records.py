@@ -12,7 +12,7 @@ import logging
 import operator
 import weakref
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -202,9 +202,10 @@ class BlockChecks:
     the forward, of all of them at once, and one that is not is checked alone then, as its
     hook would have, and goes back to its hook's check."""
 
-    __slots__ = ("waiting", "probing", "settled", "weighing", "held", "shapes")
+    __slots__ = ("waiting", "probing", "settled", "weighing", "held", "shapes", "weighs")
 
-    def __init__(self) -> None:
+    def __init__(self, weighs: bool = True) -> None:
+        self.weighs = weighs  # whether a large CUDA output may wait (:meth:`heavy`), once weighed
         self.waiting: List[Tuple[int, torch.Tensor, int]] = []  # (block key, output, its version then)
         self.probing: List[Tuple[int, torch.Tensor, int]] = []  # checked in the hook, watched for a change
         self.settled: set = set()  # block keys whose small outputs may wait
@@ -239,7 +240,7 @@ class BlockChecks:
                 self.waiting.append((key, t, t._version))
                 return True
             self.probing.append((key, t, t._version))
-        elif self.heavy(t):
+        elif self.weighs and self.heavy(t):
             if key in self.held:
                 self.waiting.append((key, t, t._version))
                 return True
@@ -289,7 +290,8 @@ class BlockChecks:
                 self.held.add(key)
 
     def flush(self, waiting: Sequence[Tuple[int, torch.Tensor, int]], into: Sequence[Tuple[Statistic, "_Records"]],
-              alias: Sequence[int] = (), rows: Optional["BatchRows"] = None) -> List[Tuple[int, torch.Tensor]]:
+              alias: Sequence[int] = (), rows: Optional["BatchRows"] = None,
+              failed: Optional[Callable[[Statistic, Exception], None]] = None) -> List[Tuple[int, torch.Tensor]]:
         """Check the ``waiting`` outputs (:meth:`take`): one batch of rows per statistic
         (``record_many``) into its records; ``alias`` are more keys whose record is the last
         waiting output's (the root's output, when it is the last block's, unchanged).
@@ -297,7 +299,8 @@ class BlockChecks:
         Returns the (key, output) to be checked one by one instead, as their hooks would
         have: outputs that are no :meth:`plain` tensor (known here, where they are asked
         all at once; their blocks go back to their hooks' checks), and held ones the
-        one-launch check could not serve."""
+        one-launch check could not serve. ``failed(statistic, exception)``, where given, is
+        told of a statistic whose records failed, and the others are made all the same."""
         if not waiting:
             return []
         alone: List[Tuple[int, torch.Tensor]] = []
@@ -329,14 +332,20 @@ class BlockChecks:
         every_numel = ([tensors[0].numel()] * len(tensors) if isinstance(stacked, torch.Tensor)
                        else list(map(torch.Tensor.numel, tensors)))
         for st, records in into:
-            if st is S.BLOCK_FINITE and rows is not None and rows.size is not None:
-                per_row: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]] = []
-                *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row,
-                                                    stacked if stacked is not None else False)
-                rows.add(every_key, per_row)
-            else:
-                *parts, order = st.record_many(tensors, tensors[0].device)
-            _add_rows(records, every_key, every_numel, parts, order, alias)
+            try:
+                if st is S.BLOCK_FINITE and rows is not None and rows.size is not None:
+                    per_row: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]] = []
+                    *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row,
+                                                        stacked if stacked is not None else False)
+                    rows.add(every_key, per_row)
+                else:
+                    *parts, order = st.record_many(tensors, tensors[0].device,
+                                                   stacked if stacked is not None else False)
+                _add_rows(records, every_key, every_numel, parts, order, alias)
+            except Exception as exc:
+                if failed is None:
+                    raise
+                failed(st, exc)
         return alone
 
     def _stack(self, tensors: Sequence[torch.Tensor]) -> Union[torch.Tensor, stats.Stacks, None]:
@@ -578,6 +587,10 @@ class StepRecords:
         self._last: Dict[str, Tuple[torch.Tensor, int, List[Tuple[Statistic, Any]]]] = {}
         self._unmeasured: set = set()  # kinds of tensor skipped, already logged
         self.blocks = BlockChecks()
+        self.outputs = BlockChecks(weighs=False)  # the layers' outputs of a detail step's forward
+        # waiting layers that are top-level blocks -> their block keys (the root's too, where it
+        # returned the layer's output): block records taken from the activation rows made then
+        self.derived: Dict[int, List[int]] = {}
         self.rows = BatchRows()
         self.by_name: Dict[str, _Records] = {}
         self.reset()
@@ -586,6 +599,7 @@ class StepRecords:
         """A new step: nothing recorded, nothing waiting."""
         self.by_name = {st.name: _Records(st.by_parameter, st.combine, self._scratch) for st in self._statistics}
         self.blocks.drop()
+        self.drop_outputs()
         self.rows.take()
 
     def release(self) -> None:
@@ -593,6 +607,7 @@ class StepRecords:
         self._scratch = None
         self._last.clear()
         self.blocks = BlockChecks()
+        self.outputs = BlockChecks(weighs=False)
         self.rows = BatchRows()
         self.reset()
 
@@ -635,6 +650,63 @@ class StepRecords:
         except Exception as exc:
             self._errors.record("forward", exc)
         self.rows.finish()  # before anything commits a record that views a table
+
+    def drop_outputs(self) -> None:
+        self.outputs.drop()
+        self.derived = {}
+
+    def derives_last(self, t: torch.Tensor, key: int) -> bool:
+        """Whether ``t`` is the last waiting layer output, unchanged, of a layer that is a
+        block; if so, the BLOCK record ``key`` (the root's output) is taken from its row too."""
+        last = self.outputs.last()
+        if last is None or t is not last[1] or t._version != last[2] or last[0] not in self.derived:
+            return False
+        self.derived[last[0]].append(key)
+        return True
+
+    def flush_outputs(self) -> None:
+        """The layers' outputs that waited for the end of the forward (:attr:`outputs`),
+        recorded now, all at once (``Statistic.record_many``), and the block records taken
+        from them (:attr:`derived`); a failure is counted."""
+        derived, self.derived = self.derived, {}
+        try:
+            waiting = self.outputs.take()
+            if not waiting:
+                return
+            into = [(st, self.by_name[st.name]) for st in self._at.get(S.OUTPUT, ())]
+            lost: List[str] = []  # statistics whose records failed: a failure costs only its own
+
+            def failed(st: Statistic, exc: Exception) -> None:
+                lost.append(st.name)
+                self._errors.record("forward", exc)
+            alone = self.outputs.flush(waiting, into, failed=failed)
+            for key, t in alone:  # recorded one by one, its blocks' records taken from its own
+                self.record_values(S.OUTPUT, key, t)
+                for block in derived.pop(key, ()):
+                    self.record_values(S.BLOCK, block, t)
+            outputs = {key: t for key, t, _ in waiting}
+            derived = {layer: blocks for layer, blocks in derived.items() if layer in outputs}
+            if derived and not any(st.derive[0] in lost for st in self._at.get(S.BLOCK, ())):  # type: ignore[index]
+                self._derive_rows(S.BLOCK, derived)
+            else:  # the rows to take them from were not made: the blocks' outputs are read now
+                for layer, blocks in derived.items():
+                    for block in blocks:
+                        self.record_values(S.BLOCK, block, outputs[layer])
+        except Exception as exc:
+            self._errors.record("forward", exc)
+
+    def _derive_rows(self, at: str, derived: Mapping[int, Sequence[int]]) -> None:
+        """Records at ``at`` of the keys ``derived`` maps each layer to, taken from the rows
+        just made of those layers' outputs (``Statistic.derive``: its pick, given a block
+        of rows transposed, a vector of column vectors, picks columns)."""
+        for st in self._at.get(at, ()):
+            source, pick = st.derive  # type: ignore[misc]
+            keys, numels, parts = self.by_name[source].pending_rows[-1]
+            at_row = [(i, block) for i, key in enumerate(keys) for block in derived.get(key, ())]
+            index = stats.host_values([i for i, _ in at_row], parts[0].device, torch.int64)
+            picked = pick(tuple(part.index_select(0, index).T for part in parts))
+            self.by_name[st.name].add_rows([block for _, block in at_row], [numels[i] for i, _ in at_row],
+                                           [col.unsqueeze(1) for col in picked])
 
     def record_values(self, at: str, key: int, values: Any,
                       grad_flow: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
