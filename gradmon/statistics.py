@@ -353,6 +353,7 @@ GRAD = Statistic(
 GRAD_FLOW = Statistic(
     "grad_flow", "grad_flow", OUTPUT_GRAD, ((_GRAD_NORM,), _COUNTS),
     lambda grad: stats.gradient_record(grad),
+    record_many=lambda grads, home, stacked: stats.gradient_many(grads, home, stacked),
     gauges=(LayerGauge(M.GRAD_FLOW_NORM, _norm,
                        panel=Panel("Gradient flow by depth (norm of d loss / d output)", log=True, wide=True)),),
     counter=M.NONFINITE, counter_labels={"tensor": M.TENSOR_GRAD_FLOW}, rank_tensor=M.TENSOR_GRAD_FLOW,

@@ -197,16 +197,16 @@ def test_the_block_checks_of_a_detail_step_are_one_batched_call_too(attach, monk
 def test_the_layer_records_of_a_later_detail_step_are_made_at_once(attach, monkeypatch):
     """The first detail step records each layer's output in its hook (and learns which stay
     unchanged until the end of the forward); the later ones record them all at once there:
-    one batched call for the activations and one for the kurtosis samples, none per layer,
-    the gradient flow still read per layer, and a NaN made in a layer named on that step,
-    its elements counted."""
+    one batched call for the activations, one for the kurtosis samples and one for the
+    gradient flow (at the end of the backward), none per layer, and a NaN made in a layer
+    named on that step, its elements counted."""
     from gradmon.capture import kernels
     one: List[int] = []
     many: List[int] = []
-    for name in ("activation_record", "moments_record"):
+    for name in ("activation_record", "moments_record", "gradient_record"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda x, *a, real=real: one.append(x.numel()) or real(x, *a))
-    for name in ("activation_many", "moments_many"):
+    for name in ("activation_many", "moments_many", "gradient_many"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda xs, *a, real=real: many.append(len(xs)) or real(xs, *a))
     model = nn.Sequential(*(Poisoned() for _ in range(12)))
@@ -214,11 +214,11 @@ def test_the_layer_records_of_a_later_detail_step_are_made_at_once(attach, monke
     mon = attach(model, detail_every=2)
     layers = len(mon.layers)
     sgd_step(model, opt, model)  # step 1, the first detail step
-    assert len(one) == 2 * layers and many == [], (one, many)
+    assert len(one) == 3 * layers and many == [], (one, many)
     one.clear()
     sgd_step(model, opt, model)  # step 2: no layer read
     sgd_step(model, opt, model)  # step 3, a later detail step
-    assert one == [] and many == [layers, layers], (one, many)
+    assert one == [] and many == [layers, layers, layers], (one, many)
     flow = value(fresh(mon), "gradmon_grad_flow_norm", layer="11.fc")
     assert flow > 0 and math.isfinite(flow)
     sgd_step(model, opt, model)  # step 4
@@ -785,6 +785,44 @@ def test_a_deferred_block_whose_output_has_no_version_counter_never_raises_into_
         model[1].inference = step >= 3  # blocks settled by then: their outputs wait
         sgd_step(model, opt, model)
     assert mon._recorder.steps == 6
+
+
+class GradChangedLater(nn.Module):
+    """A layer whose output's gradient a later hook of the user's changes in place, on some steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if self.scale:
+            y.register_hook(lambda g: g.mul_(1000.0))
+        return torch.tanh(y)
+
+
+def test_a_gradient_changed_in_place_after_its_layer_was_read_is_never_read_changed(attach):
+    """The gradient-flow record of a later detail step waits for the end of the backward;
+    a gradient changed in place meanwhile (a hook of the user's after gradmon's) loses
+    that record, and is read in gradmon's hook, before the change, from then on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), GradChangedLater(), nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = attach(model, detail_every=1)
+    x = torch.randn(4, 8)
+
+    def step() -> float:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return value(fresh(mon), "gradmon_grad_flow_norm", layer="1.fc")
+
+    first = step()  # read in its hook, unchanged until the end of the backward: waits from now on
+    assert step() == pytest.approx(first)  # read at the end of the backward, the same
+    model[1].scale = True
+    assert step() == pytest.approx(first)  # changed while it waited: no record, never the changed one
+    assert step() == pytest.approx(first)  # back in gradmon's hook, before the user's
 
 
 def _outputs(kind: str) -> Tuple[List[torch.Tensor], object]:

@@ -244,9 +244,10 @@ def test_context_manager_detaches_on_error():
 # -- errors inside gradmon ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("targets, stage", [
-    # a detail step's activations are recorded in each layer's hook on the first, at once after
+    # a detail step's activations (and gradient flow) are recorded in each layer's hook on the
+    # first, at once after
     (("activation_record", "activation_many"), "forward"),
-    (("gradient_record",), "grad_flow"),
+    (("gradient_record", "gradient_many"), "grad_flow"),
     (("param_grad_stats",), "backward"),
     (("pack",), "step"),
 ])

@@ -77,6 +77,7 @@ class Forward:
         # a detail step's layer outputs are recorded at the end of the forward too, where every
         # statistic recorded of them can be made many at once
         self._batch_outputs = bool(at(S.OUTPUT)) and all(st.record_many is not None for st in at(S.OUTPUT))
+        self._batch_grads = bool(at(S.OUTPUT_GRAD)) and all(st.record_many is not None for st in at(S.OUTPUT_GRAD))
         self._rec = records
         self._guard = guard
         self._errors = errors
@@ -304,6 +305,10 @@ class Forward:
             return
         with self._guard("grad_flow"):
             self._enter_backward()
+            # a small one waits for the end of the backward, measured with the others at once
+            # (``StepRecords.flush_grads``), once a backward showed it unchanged until then
+            if self._batch_grads and self._rec.grads.defer(layer, grad):
+                return
             values_of = self._rec.measurable(grad, S.OUTPUT_GRAD, layer)
             if values_of is not None:
                 self._rec.record(S.OUTPUT_GRAD, layer, values_of, "grad_flow")

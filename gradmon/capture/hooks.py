@@ -187,6 +187,7 @@ class Recorder:
         if not self._passes.first_hook():
             return
         self._rec.drop_pending(S.OUTPUT_GRAD, S.LOCAL_GRAD)
+        self._rec.grads.drop()
         self._rec.end_of_pass()
         Variable._execution_engine.queue_callback(self._after_backward_queued)
 
@@ -205,6 +206,7 @@ class Recorder:
             self.forward.take_traced()  # a compiled forward's records
             # OUTPUT too: reentrant checkpointing re-runs forwards inside backward
             self._rec.flush_blocks()
+            self._rec.flush_grads()
             self._rec.end_of_pass()
             self._rec.commit(self._rec.by_name.values(), "backward")
             # Without an accumulated gradient (torch.autograd.grad, .grad assigned by

@@ -814,11 +814,39 @@ def _activation_rows(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`activation_many`'s two blocks of the (n, k) CPU rows ``v``, one output each."""
     if v.dtype in _LOW_PRECISION:
         v = v.float()
+    norm, counts = _norm_rows(v)
+    return torch.stack((norm, v.amin(dim=1).double(), v.amax(dim=1).double()), dim=1), counts
+
+
+def _norm_rows(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(float64 L2 norms, (n, 2) float64 [NaN, Inf] counts) of the (n, k) CPU rows ``v``:
+    squared in their own dtype (a finite norm proves its row finite), counted only where
+    a norm is not."""
     norm = (v * v).double().sum(dim=1).sqrt_()
-    rows = torch.stack((norm, v.amin(dim=1).double(), v.amax(dim=1).double()), dim=1)
     if _host_says_finite(norm):
-        return rows, torch.zeros((v.shape[0], 2), dtype=torch.float64)
-    return rows, torch.stack((torch.isnan(v).sum(dim=1), torch.isinf(v).sum(dim=1)), dim=1).double()
+        return norm, torch.zeros((v.shape[0], 2), dtype=torch.float64)
+    return norm, torch.stack((torch.isnan(v).sum(dim=1), torch.isinf(v).sum(dim=1)), dim=1).double()
+
+
+@torch.no_grad()  # read, never differentiated
+def gradient_many(grads: Sequence[torch.Tensor], home: torch.device,
+                  stacked: Union[torch.Tensor, "Stacks", bool] = False
+                  ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """:func:`gradient_record` of many small gradients at once (a detail step's gradient
+    flow, at the end of its backward): ((n, 1) L2 norms, (n, 2) [NaN, Inf] counts, row
+    order). Stacked ones (``stacked``, as :func:`activation_many` takes it) along their
+    rows; others as :func:`param_grad_stats` reduces parameters' gradients."""
+    if isinstance(stacked, torch.Tensor) or isinstance(stacked, Stacks):
+        stacks = (stacked,) if isinstance(stacked, torch.Tensor) else stacked.stacks
+        made = [_norm_rows(x.view(x.shape[0], -1).float() if x.dtype in _LOW_PRECISION else x.view(x.shape[0], -1))
+                for x in stacks]
+        order = (tuple(range(len(grads))) if isinstance(stacked, torch.Tensor)
+                 else tuple(itertools.chain.from_iterable(stacked.positions)))
+        norms = made[0][0] if len(made) == 1 else torch.cat([m[0] for m in made])
+        counts = made[0][1] if len(made) == 1 else torch.cat([m[1] for m in made])
+        return norms.unsqueeze(1), counts, order
+    rows, order = param_grad_stats(grads, home)
+    return rows[:, :1], rows[:, 1:], order
 
 
 @torch.no_grad()  # read, never differentiated

@@ -588,6 +588,7 @@ class StepRecords:
         self._unmeasured: set = set()  # kinds of tensor skipped, already logged
         self.blocks = BlockChecks()
         self.outputs = BlockChecks(weighs=False)  # the layers' outputs of a detail step's forward
+        self.grads = BlockChecks(weighs=False)  # and their gradients, in its backward
         # waiting layers that are top-level blocks -> their block keys (the root's too, where it
         # returned the layer's output): block records taken from the activation rows made then
         self.derived: Dict[int, List[int]] = {}
@@ -600,6 +601,7 @@ class StepRecords:
         self.by_name = {st.name: _Records(st.by_parameter, st.combine, self._scratch) for st in self._statistics}
         self.blocks.drop()
         self.drop_outputs()
+        self.grads.drop()
         self.rows.take()
 
     def release(self) -> None:
@@ -608,6 +610,7 @@ class StepRecords:
         self._last.clear()
         self.blocks = BlockChecks()
         self.outputs = BlockChecks(weighs=False)
+        self.grads = BlockChecks(weighs=False)
         self.rows = BatchRows()
         self.reset()
 
@@ -694,6 +697,20 @@ class StepRecords:
                         self.record_values(S.BLOCK, block, outputs[layer])
         except Exception as exc:
             self._errors.record("forward", exc)
+
+    def flush_grads(self) -> None:
+        """The layers' output gradients that waited for the end of the backward
+        (:attr:`grads`), recorded now, all at once; a failure is counted."""
+        try:
+            waiting = self.grads.take()
+            if waiting:
+                into = [(st, self.by_name[st.name]) for st in self._at.get(S.OUTPUT_GRAD, ())]
+                for key, g in self.grads.flush(waiting, into, failed=lambda st, exc: self._errors.record("grad_flow", exc)):
+                    values_of = self.measurable(g, S.OUTPUT_GRAD, key)
+                    if values_of is not None:
+                        self.record(S.OUTPUT_GRAD, key, values_of, "grad_flow")
+        except Exception as exc:
+            self._errors.record("grad_flow", exc)
 
     def _derive_rows(self, at: str, derived: Mapping[int, Sequence[int]]) -> None:
         """Records at ``at`` of the keys ``derived`` maps each layer to, taken from the rows
