@@ -89,6 +89,19 @@ def origins(samples: Dict[Key, float]) -> Dict[str, Tuple[str, float]]:
     return {dict(ls)["tensor"]: (dict(ls)["layer"], v) for (n, ls), v in samples.items()
             if n == "gradmon_nonfinite_origin_step"}
 
+class Leaves(torch.nn.Module):
+    """A root whose direct children are layers (as an LLM's embedding, final norm and head
+    are): on a detail step a child's block record and its activation record are of one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.fc3 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
 def tiny() -> torch.nn.Module:
     """Two Linear layers (``0`` and ``2``) around a Tanh: the smallest model with layers to name."""
     torch.manual_seed(0)

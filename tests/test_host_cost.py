@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import gradmon
-from conftest import fresh, origins, value
+from conftest import Leaves, fresh, origins, value
 
 GRADMON_DIR = os.path.dirname(gradmon.__file__)
 # what gradmon leaves in the model (a block's forward, a hook) only calls through: the entry
@@ -231,19 +231,6 @@ def test_the_layer_records_of_a_later_detail_step_are_made_at_once(attach, monke
     assert value(s, "gradmon_nonfinite_total", layer="2.fc", tensor="activation", kind="nan") == 0
 
 
-class Leaves(nn.Module):
-    """A root whose direct children are layers: on a detail step each one's block record is
-    taken from its activation record."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
-
-
 def test_a_failure_of_the_batched_activation_records_costs_them_alone(attach, monkeypatch):
     """The activations of a later detail step failing (counted): the kurtosis is still
     recorded, and the blocks whose records would have been taken from the activations are
@@ -268,48 +255,6 @@ def test_a_failure_of_the_batched_activation_records_costs_them_alone(attach, mo
     s = fresh(mon)
     assert value(s, "gradmon_hook_errors_total", stage="forward") == 2
     assert origins(s)["block"] == ("fc2", 3), origins(s)
-
-
-class InPlaceAfter(nn.Module):
-    """A layer whose output the block changes in place after it returned, on some steps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.scale = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc(x)
-        if self.scale:
-            y.mul_(1000.0)
-        return torch.tanh(y)
-
-
-def test_a_layer_output_changed_in_place_after_it_returned_is_never_read_changed(attach):
-    """A layer output whose record waited for the end of a detail step's forward and was
-    changed in place meanwhile loses that record (the value it returned is gone); its layer
-    is recorded in its hook again from then on, the value it returned."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), InPlaceAfter(), nn.Linear(8, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    seen: List[float] = []
-    model[1].fc.register_forward_hook(lambda m, i, o: seen.append(o.detach().abs().max().item()))
-    mon = attach(model, detail_every=1)
-    x = torch.randn(4, 8)
-
-    def step() -> float:
-        seen.clear()
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        return value(fresh(mon), "gradmon_activation_abs_max", layer="1.fc")
-
-    first = step()  # probed in its hook: unchanged until the end, so it waits from now on
-    assert first == pytest.approx(seen[0])
-    model[1].scale = True
-    assert step() == pytest.approx(first)  # its waiting output was changed: no record, never the changed one
-    assert step() == pytest.approx(seen[0])  # back in its hook: the value it returned
-    assert seen[0] == pytest.approx(first)
 
 
 class Deep(nn.Module):
@@ -787,28 +732,38 @@ def test_a_deferred_block_whose_output_has_no_version_counter_never_raises_into_
     assert mon._recorder.steps == 6
 
 
-class GradChangedLater(nn.Module):
-    """A layer whose output's gradient a later hook of the user's changes in place, on some steps."""
+class ChangedLater(nn.Module):
+    """A layer whose output (or its gradient) is changed in place after gradmon saw it,
+    on the steps ``on`` is set: by the block itself, or by a later hook of the user's."""
 
-    def __init__(self) -> None:
+    def __init__(self, change: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
-        self.scale = False
+        self.change = change
+        self.on = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc(x)
-        if self.scale:
-            y.register_hook(lambda g: g.mul_(1000.0))
+        if self.on:
+            self.change(y)
         return torch.tanh(y)
 
 
-def test_a_gradient_changed_in_place_after_its_layer_was_read_is_never_read_changed(attach):
-    """The gradient-flow record of a later detail step waits for the end of the backward;
-    a gradient changed in place meanwhile (a hook of the user's after gradmon's) loses
-    that record, and is read in gradmon's hook, before the change, from then on."""
+@pytest.mark.parametrize("what", ["output", "gradient"])
+def test_a_value_changed_in_place_while_its_record_waits_is_never_read_changed(attach, what):
+    """A layer's output (its gradient) whose record waited for the end of a later detail
+    step's forward (backward) and was changed in place meanwhile loses that record: the
+    value it had is gone. Its layer is measured in its hook again from then on, before the
+    change."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), GradChangedLater(), nn.Linear(8, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    if what == "output":
+        change, metric = (lambda y: y.mul_(1000.0)), "gradmon_activation_abs_max"
+    else:
+        change, metric = (lambda y: y.register_hook(lambda g: g.mul_(1000.0))), "gradmon_grad_flow_norm"
+    model = nn.Sequential(nn.Linear(8, 8), ChangedLater(change), nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the same values every step
+    seen: List[float] = []
+    model[1].fc.register_forward_hook(lambda m, i, o: seen.append(o.detach().abs().max().item()))
     mon = attach(model, detail_every=1)
     x = torch.randn(4, 8)
 
@@ -816,13 +771,15 @@ def test_a_gradient_changed_in_place_after_its_layer_was_read_is_never_read_chan
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        return value(fresh(mon), "gradmon_grad_flow_norm", layer="1.fc")
+        return value(fresh(mon), metric, layer="1.fc")
 
-    first = step()  # read in its hook, unchanged until the end of the backward: waits from now on
-    assert step() == pytest.approx(first)  # read at the end of the backward, the same
-    model[1].scale = True
-    assert step() == pytest.approx(first)  # changed while it waited: no record, never the changed one
-    assert step() == pytest.approx(first)  # back in gradmon's hook, before the user's
+    first = step()  # measured in its hook, unchanged until the end of its pass: it waits from now on
+    if what == "output":
+        assert first == pytest.approx(seen[0])
+    assert step() == pytest.approx(first)  # measured at the end of the pass: the same
+    model[1].on = True
+    assert step() == pytest.approx(first)  # changed while it waited: no record, never the changed value
+    assert step() == pytest.approx(first)  # back in its hook, before the change
 
 
 def _outputs(kind: str) -> Tuple[List[torch.Tensor], object]:

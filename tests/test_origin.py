@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import fresh, origins, value
+from conftest import Leaves, fresh, origins, value
 
 
 class Block(nn.Module):
@@ -335,19 +335,6 @@ def test_the_root_output_that_is_the_last_block_output_is_read_once_unless_chang
     assert len(calls) == 2, calls
     found = origins(fresh(mon))
     assert found["block"] == ("output", 5), found  # `net` was finite; the in-place NaN came after it
-
-
-class Leaves(nn.Module):
-    """A root whose direct children are layers (as an LLM's embedding, final norm and head
-    are): on a detail step a child's block record and its activation record are of one tensor."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
 def test_a_detail_step_takes_the_block_extremes_of_a_layer_from_its_activation_record(attach, monkeypatch):
