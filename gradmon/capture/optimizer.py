@@ -277,14 +277,14 @@ def _batches(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], is_adam
                      for name, t in tensors.items()}
             batch.sampled.append((j, numel / (runs * stats.RUN), views))
             continue
+        if numel <= SMALL:  # read flat where they are padded into one block: no view made per tensor
+            batch_for(key, group, step, tuple(tensors), SMALL, j, counted).small.append((j, tensors))
+            continue
         # a view where the memory is contiguous; a copy otherwise (channels_last weights
         # and their state flatten in the same element order, so the pieces still match).
         # A vector is already flat: a model's dozens of biases and norm weights would
         # otherwise cost a reshape call each (docs/benchmark.md, "Kernel choices")
         flat = {name: t if t.dim() == 1 else t.reshape(-1) for name, t in tensors.items()}
-        if numel <= SMALL:
-            batch_for(key, group, step, tuple(tensors), SMALL, j, counted).small.append((j, flat))
-            continue
         for start in range(0, numel, CHUNK):
             size = min(CHUNK, numel - start)
             batch = batch_for(key, group, step, tuple(tensors), size, j, counted)
