@@ -223,7 +223,7 @@ class Forward:
             waits = self._layer_returned(layer, module, output)
             if self.detail_now and self._output_has_extremes:
                 if waits:  # taken from the activation rows made at the end of the forward
-                    self._rec.derived[layer] = [block]
+                    self._rec.derived[layer] = block
                 else:  # taken from the record just made
                     self._check_block(block, module, output, defer=False)
                 return

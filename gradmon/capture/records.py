@@ -589,9 +589,11 @@ class StepRecords:
         self.blocks = BlockChecks()
         self.outputs = BlockChecks(weighs=False)  # the layers' outputs of a detail step's forward
         self.grads = BlockChecks(weighs=False)  # and their gradients, in its backward
-        # waiting layers that are top-level blocks -> their block keys (the root's too, where it
-        # returned the layer's output): block records taken from the activation rows made then
-        self.derived: Dict[int, List[int]] = {}
+        # waiting layers that are top-level blocks -> their block keys, and the root's output
+        # where it is the last of them (its key, the layer, the tensor): block records taken
+        # from the activation rows made at the end of the forward
+        self.derived: Dict[int, int] = {}
+        self.root_derived: Optional[Tuple[int, int, torch.Tensor]] = None
         self.rows = BatchRows()
         self.by_name: Dict[str, _Records] = {}
         self.reset()
@@ -657,6 +659,7 @@ class StepRecords:
     def drop_outputs(self) -> None:
         self.outputs.drop()
         self.derived = {}
+        self.root_derived = None
 
     def derives_last(self, t: torch.Tensor, key: int) -> bool:
         """Whether ``t`` is the last waiting layer output, unchanged, of a layer that is a
@@ -664,14 +667,15 @@ class StepRecords:
         last = self.outputs.last()
         if last is None or t is not last[1] or t._version != last[2] or last[0] not in self.derived:
             return False
-        self.derived[last[0]].append(key)
+        self.root_derived = (key, last[0], t)
         return True
 
     def flush_outputs(self) -> None:
         """The layers' outputs that waited for the end of the forward (:attr:`outputs`),
         recorded now, all at once (``Statistic.record_many``), and the block records taken
-        from them (:attr:`derived`); a failure is counted."""
-        derived, self.derived = self.derived, {}
+        from them (:attr:`derived`, :attr:`root_derived`); a failure is counted."""
+        derived, root = self.derived, self.root_derived
+        self.derived, self.root_derived = {}, None
         try:
             waiting = self.outputs.take()
             if not waiting:
@@ -685,16 +689,18 @@ class StepRecords:
             alone = self.outputs.flush(waiting, into, failed=failed)
             for key, t in alone:  # recorded one by one, its blocks' records taken from its own
                 self.record_values(S.OUTPUT, key, t)
-                for block in derived.pop(key, ()):
-                    self.record_values(S.BLOCK, block, t)
-            outputs = {key: t for key, t, _ in waiting}
-            derived = {layer: blocks for layer, blocks in derived.items() if layer in outputs}
-            if derived and not any(st.derive[0] in lost for st in self._at.get(S.BLOCK, ())):  # type: ignore[index]
-                self._derive_rows(S.BLOCK, derived)
-            else:  # the rows to take them from were not made: the blocks' outputs are read now
-                for layer, blocks in derived.items():
-                    for block in blocks:
-                        self.record_values(S.BLOCK, block, outputs[layer])
+            if not derived:
+                return
+            if any(st.derive[0] in lost for st in self._at.get(S.BLOCK, ())):  # type: ignore[index]
+                alone = [(key, t) for key, t, _ in waiting]  # no rows to take them from: read them now
+            else:
+                self._derive_rows(S.BLOCK, derived, root if root is not None and not any(
+                    t is root[2] for _, t in alone) else None)
+            for key, t in alone:
+                if key in derived:
+                    self.record_values(S.BLOCK, derived[key], t)
+                if root is not None and t is root[2]:
+                    self.record_values(S.BLOCK, root[0], t)
         except Exception as exc:
             self._errors.record("forward", exc)
 
@@ -712,14 +718,19 @@ class StepRecords:
         except Exception as exc:
             self._errors.record("grad_flow", exc)
 
-    def _derive_rows(self, at: str, derived: Mapping[int, Sequence[int]]) -> None:
-        """Records at ``at`` of the keys ``derived`` maps each layer to, taken from the rows
-        just made of those layers' outputs (``Statistic.derive``: its pick, given a block
-        of rows transposed, a vector of column vectors, picks columns)."""
+    def _derive_rows(self, at: str, derived: Mapping[int, int], root: Optional[Tuple[int, int, torch.Tensor]]
+                     ) -> None:
+        """Records at ``at`` of the block each layer of ``derived`` is (one per row of it: a
+        layer called twice is two records) and of the root's output (``root``: its key and
+        the layer whose last row it is), taken from the rows just made of the layers'
+        outputs (``Statistic.derive``: its pick, given a block of rows transposed, a vector
+        of column vectors, picks columns)."""
         for st in self._at.get(at, ()):
             source, pick = st.derive  # type: ignore[misc]
             keys, numels, parts = self.by_name[source].pending_rows[-1]
-            at_row = [(i, block) for i, key in enumerate(keys) for block in derived.get(key, ())]
+            at_row = [(i, derived[key]) for i, key in enumerate(keys) if key in derived]
+            if root is not None:
+                at_row.append((max(i for i, key in enumerate(keys) if key == root[1]), root[0]))
             index = stats.host_values([i for i, _ in at_row], parts[0].device, torch.int64)
             picked = pick(tuple(part.index_select(0, index).T for part in parts))
             self.by_name[st.name].add_rows([block for _, block in at_row], [numels[i] for i, _ in at_row],
