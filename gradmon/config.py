@@ -156,8 +156,8 @@ class Config:
     """Kurtosis of each layer's output on detail steps (with ``activations``): outlier
     features show as a kurtosis far above a Gaussian's 3 long before max |x| overflows.
     Estimated from a systematic sample of about 16K elements of each output (one copy
-    per output; the moments of a forward's samples are computed at once when it returns;
-    see docs/how-it-works.md)."""
+    per output, or per stack of small outputs; the moments of a forward's samples are
+    computed at once when it returns; see docs/how-it-works.md)."""
 
     activation_baseline: int = 32
     """Detail measurements of a layer's max |x| whose median is the baseline of
