@@ -22,7 +22,10 @@ that step (waited for after the step, outside its timer). ``us/layer`` is their 
 monitored layer, the ratio (twin + train + fold) / twin. Steps are told apart by kind:
 ``ordinary`` (every step at the defaults) and ``detail`` (one in ``detail_every``, when
 activations, gradient flow and kurtosis are read); each figure is the median over the
-kind's steps. One thread for torch (``torch.set_num_threads(1)``).
+kind's steps. ``cycle`` is the mean over whole detail periods, every step counted: what a
+step costs on average, the detail steps and what only some ordinary steps pay included (the
+layers' hooks registered on the step before each detail step). One thread for torch
+(``torch.set_num_threads(1)``).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def measure(name: str, steps: int, options: Dict[str, object]) -> Dict[str, obje
     every = mon.config.detail_every
     pairs: Dict[str, List[Tuple[float, float]]] = {"ordinary": [], "detail": []}
     folds: Dict[str, List[float]] = {"ordinary": [], "detail": []}
+    timed: List[Tuple[float, float, float]] = []  # every timed step in order: (monitored, twin, fold)
     try:
         for i in range(steps + every):
             kind = "detail" if i % every == 0 else "ordinary"
@@ -116,6 +120,7 @@ def measure(name: str, steps: int, options: Dict[str, object]) -> Dict[str, obje
             if i >= every:  # the first detail period warms caches and allocators
                 pairs[kind].append((t_mon, t_twin))
                 folds[kind].append(fold)
+                timed.append((t_mon, t_twin, fold))
     finally:
         mon.detach()
     out: Dict[str, object] = {"model": name, "layers": layers}
@@ -128,6 +133,14 @@ def measure(name: str, steps: int, options: Dict[str, object]) -> Dict[str, obje
         out[kind] = {"train_us_per_layer": train / layers * 1e6, "fold_us_per_layer": fold / layers * 1e6,
                      "us_per_layer": (train + fold) / layers * 1e6, "ratio": (twin_s + train + fold) / twin_s,
                      "twin_ms": twin_s * 1e3, "steps": len(got)}
+    # whole detail periods, every step counted (the mean, not the median): the detail steps and
+    # what only some ordinary steps pay (the layers' hooks registered before each detail step)
+    whole = timed[:len(timed) // every * every]
+    if whole:
+        mon_s, twin_s, fold = (statistics.fmean(side) for side in zip(*whole))
+        out["cycle"] = {"train_us_per_layer": (mon_s - twin_s) / layers * 1e6, "fold_us_per_layer": fold / layers * 1e6,
+                        "us_per_layer": (mon_s - twin_s + fold) / layers * 1e6, "ratio": (mon_s + fold) / twin_s,
+                        "twin_ms": twin_s * 1e3, "steps": len(whole)}
     return out
 
 
@@ -147,7 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in args.models:
         r = measure(name, args.steps, {})
         results.append(r)
-        for kind in ("ordinary", "detail"):
+        for kind in ("ordinary", "detail", "cycle"):
             if kind in r:
                 k = r[kind]
                 print(f"{name:<18}{r['layers']:>7}  {kind:<9}{k['us_per_layer']:>9.2f}{k['train_us_per_layer']:>7.2f}"

@@ -428,7 +428,7 @@ def test_a_nan_of_an_ordinary_step_names_its_block_whichever_path_its_check_took
     assert found["block"] == (str(key - 1), 5), found  # the fifth step
 
 
-def test_the_layer_scaling_benchmark_reports_both_kinds_of_step_for_every_model(tmp_path):
+def test_the_layer_scaling_benchmark_reports_both_kinds_of_step_and_their_mean_for_every_model(tmp_path):
     import json
     import subprocess
     from pathlib import Path
@@ -442,9 +442,10 @@ def test_the_layer_scaling_benchmark_reports_both_kinds_of_step_for_every_model(
     assert [row["model"] for row in rows] == ["chain-10", "transformer-1000"]
     assert rows[1]["layers"] == 1000
     for row in rows:
-        for kind in ("ordinary", "detail"):
+        for kind in ("ordinary", "detail", "cycle"):
             assert row[kind]["steps"] > 0 and row[kind]["twin_ms"] > 0, (row["model"], kind)
             assert row[kind]["fold_us_per_layer"] > 0  # the publisher's clock was read
+        assert row["cycle"]["steps"] % 20 == 0  # whole detail periods of the defaults
 
 
 def test_a_settled_block_of_an_ordinary_step_costs_no_guard_object(monkeypatch):
