@@ -238,11 +238,11 @@ class Statistic:
     embedding, final norm and head, whose output, the logits, is its largest tensor) has
     its block extremes in the activation record of a detail step."""
     record_many: Optional[Callable[[Sequence[torch.Tensor], torch.device, Any], Tuple[torch.Tensor, ...]]] = None
-    """For a statistic of many small tensors recorded at once at the end of a forward (the
-    blocks' outputs every step, the layers' on a detail step): ``record_many(tensors, home,
-    stacked)`` returns one (n, width) block per part and, last, the row order (row j
-    describes ``tensors[order[j]]``): a few kernels for all of a forward's records where
-    ``record`` would launch its own per tensor. ``stacked``: the tensors stacked
+    """For a statistic of many small tensors recorded at once at the end of a pass (the
+    blocks' outputs every step; on a detail step the layers' outputs, and their gradients at
+    the end of the backward): ``record_many(tensors, home, stacked)`` returns one (n, width)
+    block per part and, last, the row order (row j describes ``tensors[order[j]]``): a few
+    kernels for all of a pass's records where ``record`` would launch its own per tensor. ``stacked``: the tensors stacked
     (``kernels.stack_alike``, or ``kernels.Stacks`` by shape), or False where they do not
     stack. Its records must equal ``record``'s (a tensor may take either path)."""
     dtypes: Optional[Tuple[torch.dtype, ...]] = None

@@ -802,8 +802,9 @@ def _outputs(kind: str) -> Tuple[List[torch.Tensor], object]:
 
 @pytest.mark.parametrize("kind", ["one shape", "a few shapes", "flat"])
 def test_the_records_of_many_outputs_at_once_are_the_records_of_each(kind):
-    """``activation_many`` and ``moments_many`` against the records made one output at a
-    time (a layer's output takes either path, and both fold into the same series)."""
+    """``activation_many``, ``gradient_many`` and ``moments_many`` against the records made
+    one tensor at a time (a layer's output or its gradient takes either path, and both fold
+    into the same series)."""
     from gradmon.capture import kernels
     tensors, stacked = _outputs(kind)
     if kind == "a few shapes":
@@ -815,6 +816,12 @@ def test_the_records_of_many_outputs_at_once_are_the_records_of_each(kind):
         got = rows[j].tolist()
         assert got[0] == pytest.approx(want[0].item(), rel=1e-6, nan_ok=True), (i, got)
         assert got[1:] == pytest.approx(want[1:].double().tolist(), nan_ok=True), (i, got)
+        assert counts[j].tolist() == want_counts.double().tolist(), i
+    norms, counts, order = kernels.gradient_many(tensors, torch.device("cpu"), stacked)
+    assert sorted(order) == list(range(len(tensors))) and norms.shape == (5, 1)
+    for j, i in enumerate(order):
+        want, want_counts = kernels.gradient_record(tensors[i])
+        assert norms[j].item() == pytest.approx(want.item(), rel=1e-6, nan_ok=True), i
         assert counts[j].tolist() == want_counts.double().tolist(), i
     finite = [t.nan_to_num(0.0, 0.0, 0.0).double() * 3 for t in tensors]  # moments of finite values
     got, order = kernels.moments_many(finite, torch.device("cpu"), kernels.stack_by_shape(finite)

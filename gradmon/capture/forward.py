@@ -289,10 +289,10 @@ class Forward:
         return waits
 
     def _output_waits(self, layer: int, output: Any) -> bool:
-        """A detail step's small layer output, known from an earlier detail
-        step to stay unchanged until the end of the forward (``BlockChecks.defer``), waits
-        for it, to be recorded with the others at once (``StepRecords.flush_outputs``); its
-        gradient-flow hook goes on now, before any in-place op can change it."""
+        """A detail step's small layer output, known from an earlier detail step to stay
+        unchanged until the end of the forward (``BlockChecks.defer``), waits for it, to be
+        recorded with the others at once (``StepRecords.flush_outputs``); its gradient-flow
+        hook goes on now, before any in-place op can change it."""
         lanes = self._outputs
         if lanes is None or not lanes.defer(layer, output):
             return False

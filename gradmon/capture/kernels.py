@@ -785,37 +785,54 @@ def activation_many(tensors: Sequence[torch.Tensor], home: torch.device,
     one output, the squares are taken in the outputs' dtype (a finite norm still proves its
     output finite) and the counts are read only where a norm is not finite (on an
     accelerator: always)."""
+    stacks = _stacks_of(tensors, stacked)
+    if stacks is not None:
+        return (*_cat_each([_activation_rows(_rows_of(x)) for x in stacks[0]]), stacks[1])
+    made: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    order: Tuple[int, ...] = ()
+    for (_device, dtype, _small), idx in _groups(tensors, (), split_small=False).items():
+        group = [tensors[i] for i in idx]
+        flat, lengths = _flat(group)
+        if dtype in _LOW_PRECISION:
+            flat = flat.float()
+        norm = torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
+        lo = torch.segment_reduce(flat, "min", lengths=lengths, unsafe=True)
+        hi = torch.segment_reduce(flat, "max", lengths=lengths, unsafe=True)
+        counts = (torch.zeros((len(group), 2), dtype=torch.float64) if _host_says_finite(norm)
+                  else _counts_by_segment(flat, lengths, torch.float64))
+        made.append((torch.stack((norm, lo.double(), hi.double()), dim=1).to(home, non_blocking=True),
+                     counts.to(home, non_blocking=True)))
+        order += tuple(idx)
+    return (*_cat_each(made), order)
+
+
+def _stacks_of(tensors: Sequence[torch.Tensor], stacked: Union[torch.Tensor, "Stacks", bool]
+               ) -> Optional[Tuple[Tuple[torch.Tensor, ...], Tuple[int, ...]]]:
+    """(the stacks, the order of their rows among ``tensors``) of ``stacked`` (True: stack
+    them now, :func:`stack_alike`); None where they are not stacked."""
     if stacked is True:
         stacked = stack_alike(tensors)
     if isinstance(stacked, torch.Tensor):
-        return (*_activation_rows(stacked.view(len(tensors), -1)), tuple(range(len(tensors))))
+        return (stacked,), tuple(range(len(tensors)))
     if isinstance(stacked, Stacks):
-        made = [_activation_rows(x.view(x.shape[0], -1)) for x in stacked.stacks]
-        order = tuple(itertools.chain.from_iterable(stacked.positions))
-    else:
-        made, order = [], ()
-        for (_device, dtype, _small), idx in _groups(tensors, (), split_small=False).items():
-            group = [tensors[i] for i in idx]
-            flat, lengths = _flat(group)
-            if dtype in _LOW_PRECISION:
-                flat = flat.float()
-            norm = torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
-            lo = torch.segment_reduce(flat, "min", lengths=lengths, unsafe=True)
-            hi = torch.segment_reduce(flat, "max", lengths=lengths, unsafe=True)
-            counts = (torch.zeros((len(group), 2), dtype=torch.float64) if _host_says_finite(norm)
-                      else _counts_by_segment(flat, lengths, torch.float64))
-            made.append((torch.stack((norm, lo.double(), hi.double()), dim=1).to(home, non_blocking=True),
-                         counts.to(home, non_blocking=True)))
-            order += tuple(idx)
-    if len(made) == 1:
-        return (*made[0], order)
-    return torch.cat([m[0] for m in made]), torch.cat([m[1] for m in made]), order
+        return stacked.stacks, tuple(itertools.chain.from_iterable(stacked.positions))
+    return None
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """A stack's tensors as the (n, k) rows of one block, fp16/bf16 widened to float32 (which
+    holds each of their values exactly)."""
+    rows = x.view(x.shape[0], -1)
+    return rows.float() if rows.dtype in _LOW_PRECISION else rows
+
+
+def _cat_each(made: Sequence[Tuple[torch.Tensor, ...]]) -> Tuple[torch.Tensor, ...]:
+    """Each position of ``made``'s tuples, concatenated over them (one: as it is)."""
+    return made[0] if len(made) == 1 else tuple(torch.cat(parts) for parts in zip(*made))
 
 
 def _activation_rows(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`activation_many`'s two blocks of the (n, k) CPU rows ``v``, one output each."""
-    if v.dtype in _LOW_PRECISION:
-        v = v.float()
     norm, counts = _norm_rows(v)
     return torch.stack((norm, v.amin(dim=1).double(), v.amax(dim=1).double()), dim=1), counts
 
@@ -832,21 +849,16 @@ def _norm_rows(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()  # read, never differentiated
 def gradient_many(grads: Sequence[torch.Tensor], home: torch.device,
-                  stacked: Union[torch.Tensor, "Stacks", bool] = False
+                  stacked: Union[torch.Tensor, "Stacks", bool] = True
                   ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
     """:func:`gradient_record` of many small gradients at once (a detail step's gradient
     flow, at the end of its backward): ((n, 1) L2 norms, (n, 2) [NaN, Inf] counts, row
     order). Stacked ones (``stacked``, as :func:`activation_many` takes it) along their
     rows; others as :func:`param_grad_stats` reduces parameters' gradients."""
-    if isinstance(stacked, torch.Tensor) or isinstance(stacked, Stacks):
-        stacks = (stacked,) if isinstance(stacked, torch.Tensor) else stacked.stacks
-        made = [_norm_rows(x.view(x.shape[0], -1).float() if x.dtype in _LOW_PRECISION else x.view(x.shape[0], -1))
-                for x in stacks]
-        order = (tuple(range(len(grads))) if isinstance(stacked, torch.Tensor)
-                 else tuple(itertools.chain.from_iterable(stacked.positions)))
-        norms = made[0][0] if len(made) == 1 else torch.cat([m[0] for m in made])
-        counts = made[0][1] if len(made) == 1 else torch.cat([m[1] for m in made])
-        return norms.unsqueeze(1), counts, order
+    stacks = _stacks_of(grads, stacked)
+    if stacks is not None:
+        norms, counts = _cat_each([_norm_rows(_rows_of(x)) for x in stacks[0]])
+        return norms.unsqueeze(1), counts, stacks[1]
     rows, order = param_grad_stats(grads, home)
     return rows[:, :1], rows[:, 1:], order
 
@@ -858,13 +870,9 @@ def moments_many(tensors: Sequence[torch.Tensor], home: torch.device,
     """(:func:`moments_block`'s rows, row order) of many small outputs at once: each one's
     sample (:func:`sample`) as its record would take it, read from the stacks as one
     strided copy per stack where ``stacked`` has them."""
-    if stacked is True:
-        stacked = stack_alike(tensors)
-    if isinstance(stacked, torch.Tensor):
-        return _moments_stacked(stacked, home, limit), tuple(range(len(tensors)))
-    if isinstance(stacked, Stacks):
-        rows = torch.cat([_moments_stacked(x, home, limit) for x in stacked.stacks])
-        return rows, tuple(itertools.chain.from_iterable(stacked.positions))
+    stacks = _stacks_of(tensors, stacked)
+    if stacks is not None:
+        return _cat_each([(_moments_stacked(x, home, limit),) for x in stacks[0]])[0], stacks[1]
     return (moments_block([sample(t, limit) for t in tensors], list(map(torch.Tensor.numel, tensors)), home),
             tuple(range(len(tensors))))
 
