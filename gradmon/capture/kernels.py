@@ -541,7 +541,11 @@ def _segment_norms(group: Sequence[torch.Tensor], numels: Optional[Tuple[int, ..
             continue
         sums = [(x * x).view(x.shape[0], -1).double().sum(dim=1) for x in stacks]
         return torch.cat(sums).index_select(0, plan.inverse).sqrt_()
-    flat, lengths = _flat(group, numels)
+    return _segment_l2(*_flat(group, numels))
+
+
+def _segment_l2(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each segment's L2 norm in float64, squared in ``flat``'s own dtype (see above)."""
     return torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
 
 
@@ -795,7 +799,7 @@ def activation_many(tensors: Sequence[torch.Tensor], home: torch.device,
         flat, lengths = _flat(group)
         if dtype in _LOW_PRECISION:
             flat = flat.float()
-        norm = torch.segment_reduce((flat * flat).double(), "sum", lengths=lengths, unsafe=True).sqrt_()
+        norm = _segment_l2(flat, lengths)
         lo = torch.segment_reduce(flat, "min", lengths=lengths, unsafe=True)
         hi = torch.segment_reduce(flat, "max", lengths=lengths, unsafe=True)
         counts = (torch.zeros((len(group), 2), dtype=torch.float64) if _host_says_finite(norm)

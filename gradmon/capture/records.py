@@ -331,16 +331,15 @@ class BlockChecks:
         every_key = [entry[0] for entry in waiting]
         every_numel = ([tensors[0].numel()] * len(tensors) if isinstance(stacked, torch.Tensor)
                        else list(map(torch.Tensor.numel, tensors)))
+        given = stacked if stacked is not None else False  # how the kernels take "not stacked"
         for st, records in into:
             try:
                 if st is S.BLOCK_FINITE and rows is not None and rows.size is not None:
                     per_row: List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]] = []
-                    *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row,
-                                                        stacked if stacked is not None else False)
+                    *parts, order = stats.extremes_many(tensors, tensors[0].device, rows.size, per_row, given)
                     rows.add(every_key, per_row)
                 else:
-                    *parts, order = st.record_many(tensors, tensors[0].device,
-                                                   stacked if stacked is not None else False)
+                    *parts, order = st.record_many(tensors, tensors[0].device, given)
                 _add_rows(records, every_key, every_numel, parts, order, alias)
             except Exception as exc:
                 if failed is None:
@@ -586,9 +585,7 @@ class StepRecords:
         self._scratch = stats.Scratch() if keep_scratch else None
         self._last: Dict[str, Tuple[torch.Tensor, int, List[Tuple[Statistic, Any]]]] = {}
         self._unmeasured: set = set()  # kinds of tensor skipped, already logged
-        self.blocks = BlockChecks()
-        self.outputs = BlockChecks(weighs=False)  # the layers' outputs of a detail step's forward
-        self.grads = BlockChecks(weighs=False)  # and their gradients, in its backward
+        self._new_checks()
         # waiting layers that are top-level blocks -> their block keys, and the root's output
         # where it is the last of them (its key, the layer, the tensor): block records taken
         # from the activation rows made at the end of the forward
@@ -610,11 +607,15 @@ class StepRecords:
         """Hold no tensor and no scratch memory any more (after detach)."""
         self._scratch = None
         self._last.clear()
-        self.blocks = BlockChecks()
-        self.outputs = BlockChecks(weighs=False)
-        self.grads = BlockChecks(weighs=False)
+        self._new_checks()
         self.rows = BatchRows()
         self.reset()
+
+    def _new_checks(self) -> None:
+        """What waits for the end of a pass, none of it learned yet."""
+        self.blocks = BlockChecks()
+        self.outputs = BlockChecks(weighs=False)  # the layers' outputs of a detail step's forward
+        self.grads = BlockChecks(weighs=False)  # and their gradients, in its backward
 
     def each(self, *moments: str) -> Iterator[_Records]:
         for at in moments:
