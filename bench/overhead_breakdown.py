@@ -11,7 +11,9 @@ unmonitored copies, so its tensors are as cold in the cache as in the benchmark'
 Each Recorder and forward hook and each on-device record function is wrapped in a timer; nested
 entries are included in their callers (``on_forward`` holds ``activation_record``...).
 ``host`` is gradmon's own clock over the same steps; ``publisher`` the publisher thread's CPU
-time per step (its fold of each packet). A diagnostic, not a figure to publish: the timers add
+time per step (its fold of each packet); ``fold_wait`` the training thread's wait for the
+interpreter lock while that fold holds it, paid right after each packet is handed over (it
+would otherwise land in whichever hook next lets the lock go). A diagnostic, not a figure to publish: the timers add
 their own small cost.
 
 ``--cpu`` times with the training thread's CPU clock instead of the wall clock (gradmon's own
@@ -55,6 +57,23 @@ def _timed(owner: object, name: str, totals: Dict[str, float], clock: Callable[[
     setattr(owner, name, timed)
 
 
+def _fold_wait(recorder: object, totals: Dict[str, float], clock: Callable[[], float]) -> None:
+    """Each step's packet handed over, then the interpreter lock let go at once and the time
+    until it comes back counted as ``fold_wait``: the publisher thread folds the packet holding
+    the lock, and the training thread's first release of it after the hand-over (any torch
+    call, a tensor freed) waits that long. Without this the wait lands in whichever timed
+    hook makes that release (``_close_step`` on the reference GPT). On the CPU clock it reads
+    about nothing: waiting for the lock takes no CPU."""
+    publish = recorder.publish  # type: ignore[attr-defined]
+
+    def handed_over(item: object) -> None:
+        publish(item)
+        t0 = clock()
+        time.sleep(0)
+        totals["fold_wait"] += clock() - t0
+    recorder.publish = handed_over  # type: ignore[attr-defined]
+
+
 def _cpu_seconds(threads: List[threading.Thread]) -> float:
     return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads if t.is_alive())
 
@@ -86,6 +105,8 @@ def breakdown(options: Dict[str, object], steps: int, discard: int, cpu: bool = 
         _timed(writer, "write", totals, clock)
     copies = [bench.make_training() for _ in range(3)]
     monitor = gradmon.attach(copies[0][0], registry=CollectorRegistry(), final_scrape_timeout=0, **options)
+    if not profile:
+        _fold_wait(monitor._recorder, totals, clock)
     publisher = [t for t in threading.enumerate() if t.name.startswith("gradmon-publisher")]
     profiler = cProfile.Profile() if profile else None
     timed = [False]  # the timed rounds are on: the warm-up rounds are not profiled

@@ -65,6 +65,8 @@ def test_overhead_breakdown_times_every_hook_of_a_detail_step_and_the_publishers
     assert float(rows["on_forward"]) >= float(rows["activation_record"])  # nested timers sit inside their callers
     # gradmon's own clock is the CPU clock too: the hooks' time is within it
     assert float(rows["host"]) >= float(rows["_measure_grads"]), r.stdout
+    # the wait for the publisher's fold is timed where the packet is handed over
+    assert float(rows["fold_wait"]) >= 0, r.stdout
 
 
 def test_prometheus_load_benchmark_reads_a_real_prometheus_scraping_simulated_ranks(tmp_path):
