@@ -251,8 +251,10 @@ class Config:
     on_nonfinite: Optional[Callable[["object"], None]] = None
     """Called with a :class:`gradmon.NonFiniteIncident` when a run of non-finite steps
     starts (rank, step, the layer where it started), so a job can checkpoint or stop
-    itself. It runs on gradmon's publisher thread, as soon as the step's statistics
-    reach the host; exceptions it raises are caught and counted."""
+    itself. It runs on gradmon's publisher thread, once the step's statistics reach the
+    host (within 20 ms after that for a job stepping faster than that: the publisher wakes
+    at most every 20 ms and folds the steps that came meanwhile together); exceptions it
+    raises are caught and counted."""
 
     scaler: Any = None
     """The job's ``torch.amp.GradScaler``: norms are reported unscaled and steps the

@@ -123,3 +123,17 @@ def test_the_kernel_choices_benchmark_times_every_choice_against_its_alternative
     assert r.returncode == 0, r.stderr
     timed = [line for line in r.stdout.splitlines() if line.startswith("| `")]
     assert len(timed) >= 12 and all(float(line.rstrip(" |").rsplit("|", 1)[1]) > 0 for line in timed), r.stdout
+
+
+def test_the_publisher_benchmark_times_both_wake_up_policies_and_counts_their_wake_ups(tmp_path):
+    out = tmp_path / "publisher.json"
+    r = subprocess.run([sys.executable, str(BENCH.parent / "bench_publisher.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["model"] == "chain-10" and row["twin_ms"] > 0
+    for policy in ("per_packet", "gathered"):
+        assert row[policy]["ratio"] > 0 and row[policy]["wakes_per_step"] > 0, (policy, row)
+    # a wake-up per packet can only fold as many packets as there were, gathered ones fewer
+    assert row["per_packet"]["wakes_per_step"] >= row["gathered"]["wakes_per_step"], row
+    assert "chain-10" in r.stdout

@@ -162,6 +162,7 @@ FIGURE = re.compile(r"\d(?:[\d.,]*\d)? ?(?:ms|µs|us|ns)\b|\d(?:\.\d+)?x (?:fast
 NOT_MEASURED = {
     ("gradmon/aggregate/publisher.py", "100 ms"): "a step rate for the arithmetic of an example",
     ("gradmon/serve/server.py", "40 ms"): "TCP's delayed acknowledgement, a constant of the kernel",
+    ("gradmon/config.py", "20 ms"): "the publisher's least time between wake-ups (WAKE_EVERY_S), a setting",
 }
 
 
@@ -176,3 +177,10 @@ def test_no_comment_or_docstring_in_gradmon_carries_a_benchmark_figure():
                 found += [f"{where}:{tok.start[0]}: {m.group(0)}" for m in FIGURE.finditer(tok.string)
                           if (where, m.group(0).lstrip("~")) not in NOT_MEASURED]
     assert not found, "move these figures to docs/benchmark.md (date, command) and keep the reason:\n" + "\n".join(found)
+
+
+def test_the_docs_give_the_publishers_wake_up_interval_it_has():
+    from gradmon.aggregate.publisher import WAKE_EVERY_S
+    said = f"{WAKE_EVERY_S * 1000:g} ms"
+    for name in ("configuration.md", "architecture.md", "how-it-works.md", "guard.md"):
+        assert said in page(name), (name, said)

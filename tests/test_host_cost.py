@@ -8,6 +8,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 from typing import Callable, List, Optional, Tuple
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import gradmon
+from gradmon.aggregate import publisher as publisher_module
 from conftest import Leaves, fresh, origins, value
 
 GRADMON_DIR = os.path.dirname(gradmon.__file__)
@@ -829,3 +831,40 @@ def test_the_records_of_many_outputs_at_once_are_the_records_of_each(kind):
     want = kernels.moments_block([kernels.moments_record(finite[i], limit=8)[0] for i in order],
                                  [finite[i].numel() for i in order], torch.device("cpu"))
     assert torch.allclose(got, want, rtol=1e-9), (got, want)
+
+
+def test_packets_faster_than_the_publishers_wake_ups_are_folded_a_batch_at_a_time(attach, monkeypatch):
+    """Each wake-up of the publisher costs the training thread about a fold: steps that come
+    faster than ``WAKE_EVERY_S`` are folded together, and not one is lost."""
+    every = 0.05
+    monkeypatch.setattr(publisher_module, "WAKE_EVERY_S", every)
+    model = chain(2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model)
+    publisher = mon._publisher
+    start, before = time.monotonic(), publisher.wakes
+    for _ in range(100):
+        sgd_step(model, opt, model)
+    assert mon.flush()
+    elapsed, wakes = time.monotonic() - start, publisher.wakes - before
+    assert mon.snapshot().steps_total == 100
+    # one at the first packet, one at least `every` after each, one for the flush
+    assert wakes <= elapsed / every + 2, (wakes, elapsed)
+    assert wakes < 100 / 4, (wakes, elapsed)
+
+
+def test_a_flush_or_a_detach_does_not_wait_for_the_publishers_next_wake_up(attach, monkeypatch):
+    monkeypatch.setattr(publisher_module, "WAKE_EVERY_S", 30.0)
+    model = chain(2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = attach(model)
+    thread = mon._publisher._thread
+    sgd_step(model, opt, model)  # folded at once: the first wake-up
+    assert mon.flush(2)
+    sgd_step(model, opt, model)  # would wait 30 s for the next
+    assert mon.flush(2)
+    assert mon.snapshot().steps_total == 2
+    sgd_step(model, opt, model)
+    mon.detach()
+    assert not thread.is_alive()
+    assert mon.snapshot().steps_total == 3
