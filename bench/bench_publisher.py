@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
@@ -96,8 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{name:<12} {got['twin_ms']:>8.2f}ms {per['ratio']:>11.3f} {gat['ratio']:>9.3f} "
               f"{per['wakes_per_step']:>8.2f} -> {gat['wakes_per_step']:.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 
