@@ -13,8 +13,9 @@ entries are included in their callers (``on_forward`` holds ``activation_record`
 ``host`` is gradmon's own clock over the same steps; ``publisher`` the publisher thread's CPU
 time per step (its fold of each packet); ``fold_wait`` the training thread's wait for the
 interpreter lock while that fold holds it, paid right after each packet is handed over (it
-would otherwise land in whichever hook next lets the lock go). A diagnostic, not a figure to
-publish: the timers add their own small cost.
+would otherwise land in whichever hook next lets the lock go; on a model whose steps are shorter
+than the publisher's ``WAKE_EVERY_S`` the fold comes later, with the next packets, and lands
+there). A diagnostic, not a figure to publish: the timers add their own small cost.
 
 ``--cpu`` times with the training thread's CPU clock instead of the wall clock (gradmon's own
 clock too): on a machine other jobs load, a wall clock charges their time slices to whatever
