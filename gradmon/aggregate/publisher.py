@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Dict
 
 from ..capture.packet import GlobalStepUpdate
@@ -16,11 +17,11 @@ from .snapshot import Snapshot
 _STOP = object()
 
 WAKE_EVERY_S = 0.02
-"""How long the publisher rests after each batch it folds: packets that come faster (a step
-of a few milliseconds) are folded a batch at a time. Each wake-up costs the training thread
+"""Least time between two of the publisher's wake-ups: packets that come faster (a step of
+a few milliseconds) are folded a batch at a time. Each wake-up costs the training thread
 about what a fold costs again (the interpreter lock handed over and back, the packets' data
 cold in the other core's cache); a step slower than this is folded as it arrives. A flush or
-a close cuts the rest short."""
+a close cuts the wait short."""
 
 
 class _Flush:
@@ -93,8 +94,14 @@ class Publisher:
         return self._agg.counters()
 
     def _run(self) -> None:
+        woke = float("-inf")
         while True:
             batch = [self._queue.get()]
+            rest = woke + WAKE_EVERY_S - time.monotonic()
+            if rest > 0:
+                self._hurry.wait(rest)  # the packets of the next few steps join this one
+            self._hurry.clear()  # after the wait: a token put before it was set is drained below
+            woke = time.monotonic()
             self.wakes += 1
             try:
                 while True:
@@ -116,10 +123,6 @@ class Publisher:
                 token.done.set()
             if stop:
                 return
-            # the packets of the next few steps queue up meanwhile, waking nothing; a flush or
-            # a close put in the queue before it sets the event is drained by the next get
-            self._hurry.wait(WAKE_EVERY_S)
-            self._hurry.clear()
 
     def _fold(self, item: object) -> None:
         try:
