@@ -57,7 +57,8 @@ def measure(name: str, rounds: int, steps: int) -> Dict[str, object]:
     twin_s: List[float] = []
     try:
         for _ in range(2):  # warm-up: the first detail period, caches, allocators
-            timed(step), timed(twin_step)
+            timed(step)
+            timed(twin_step)
         for r in range(rounds):
             order = ("per_packet", "gathered") if r % 2 else ("gathered", "per_packet")
             for policy in order:
