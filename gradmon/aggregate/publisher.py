@@ -75,8 +75,7 @@ class Publisher:
         if not self._thread.is_alive():
             return False
         token = _Flush()
-        self._queue.put(token)
-        self._hurry.set()
+        self._put_at_once(token)
         return token.done.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -84,10 +83,15 @@ class Publisher:
         an on_nonfinite callback) it cannot wait for itself: the thread stops after the
         item it is folding."""
         if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._hurry.set()
+            self._put_at_once(_STOP)
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout)
+
+    def _put_at_once(self, item: object) -> None:
+        """Queue ``item`` and end the thread's gathering wait: queued first, so that the
+        drain after the wait (``_run``) finds it whenever the wait ends."""
+        self._queue.put(item)
+        self._hurry.set()
 
     def counters(self) -> Dict[str, object]:
         """The aggregator's counters; call after close() (or from the publisher thread)."""
